@@ -1,0 +1,1 @@
+"""SQL accounting: tenants, keys, usage, prices, billing reports (not built yet)."""

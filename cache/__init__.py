@@ -1,0 +1,1 @@
+"""KV block pool and radix prefix tree (not built yet)."""

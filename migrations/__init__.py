@@ -1,0 +1,1 @@
+"""Alembic environment and versions (not built yet)."""

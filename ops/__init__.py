@@ -1,0 +1,1 @@
+"""The tollway CLI, set-up scripts and benchmarks."""

@@ -1,0 +1,118 @@
+"""Forward-pass throughput of our model against transformers on the same weights.
+
+Prints, in one run: load time of the converted folder, prefill tokens/s (one 512-token prompt)
+and decode tokens/s (batch 1 and 16) for both implementations in fp32 and bf16.
+
+    .venv/bin/python ops/bench/model_forward.py [--model smollm2-135m-instruct] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from workers.models.assets import resolve_model_folder
+from workers.models.loader import load_model
+
+PREFILL_LEN = 512
+DECODE_PROMPT_LEN = 64
+DECODE_STEPS = 32
+
+
+def best_of_interleaved(ours_fn, hf_fn, repeats: int) -> tuple[float, float]:
+    """Best seconds of each over `repeats` alternating runs (after a warm-up of each).
+
+    Alternating and taking the minimum keeps a noisy, shared machine from favouring either side.
+    Each fn returns the seconds it measured itself.
+    """
+    ours_fn(), hf_fn()
+    ours_s, hf_s = [], []
+    for _ in range(repeats):
+        ours_s.append(ours_fn())
+        hf_s.append(hf_fn())
+    return min(ours_s), min(hf_s)
+
+
+def ours_prefill(model, ids: torch.Tensor) -> float:
+    """Seconds to prefill `ids` [B, T] into a fresh cache, wanting the last token's logits."""
+    start = time.perf_counter()
+    cache = model.allocate_cache(ids.shape[0], ids.shape[1])
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    model(ids, positions, cache, logit_index=torch.full((ids.shape[0],), ids.shape[1] - 1))
+    return time.perf_counter() - start
+
+
+def ours_decode(model, ids: torch.Tensor) -> float:
+    """Seconds of DECODE_STEPS greedy decode steps after prefilling `ids` (prefill not counted)."""
+    batch, length = ids.shape
+    cache = model.allocate_cache(batch, length + DECODE_STEPS)
+    logits = model(ids, torch.arange(length).expand_as(ids), cache, logit_index=torch.full((batch,), length - 1))
+    zeros = torch.zeros(batch, dtype=torch.long)
+    start = time.perf_counter()
+    for step in range(DECODE_STEPS):
+        token = logits.argmax(-1, keepdim=True)
+        logits = model(token, torch.full((batch, 1), length + step), cache, logit_index=zeros)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_prefill(model, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_decode(model, ids: torch.Tensor) -> float:
+    cache = DynamicCache()
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    folder = resolve_model_folder(args.model, args.home)
+
+    start = time.perf_counter()
+    load_model(folder, torch.float32)
+    print(f"load of converted folder (weights + tokenizer, fp32): {time.perf_counter() - start:.2f} s")
+
+    gen = torch.Generator().manual_seed(0)
+    prefill_ids = torch.randint(100, 40000, (1, PREFILL_LEN), generator=gen)
+    decode_ids = {b: torch.randint(100, 40000, (b, DECODE_PROMPT_LEN), generator=gen) for b in (1, 16)}
+
+    print(f"\nthreads={torch.get_num_threads()}  prefill={PREFILL_LEN} tokens  decode={DECODE_STEPS} steps "
+          f"after a {DECODE_PROMPT_LEN}-token prompt  (best of {args.repeats}, alternating)")
+    print(f"{'dtype':9} {'metric':22} {'tollway':>10} {'transformers':>13} {'ratio':>7}")
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = load_model(folder, dtype).model
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        ours_t, hf_t = best_of_interleaved(
+            lambda: ours_prefill(ours, prefill_ids), lambda: hf_prefill(theirs, prefill_ids), args.repeats)
+        rows = [("prefill tok/s", PREFILL_LEN / ours_t, PREFILL_LEN / hf_t)]
+        for batch, ids in decode_ids.items():
+            ours_t, hf_t = best_of_interleaved(
+                lambda i=ids: ours_decode(ours, i), lambda i=ids: hf_decode(theirs, i), args.repeats)
+            tokens = batch * DECODE_STEPS
+            rows.append((f"decode tok/s (batch {batch})", tokens / ours_t, tokens / hf_t))
+        name = str(dtype).removeprefix("torch.")
+        for metric, ours_v, hf_v in rows:
+            print(f"{name:9} {metric:22} {ours_v:10.1f} {hf_v:13.1f} {ours_v / hf_v:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

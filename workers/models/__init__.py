@@ -1,0 +1,1 @@
+"""Model assets and our own Llama-family implementation."""

@@ -1,0 +1,148 @@
+"""Our Llama-family causal LM (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
+
+Weights keep Hugging Face names on load but are fused for speed: q/k/v become one projection and
+gate/up another, so each layer runs four matmuls. Attention goes through the single
+`kernels.dispatch.attention` call. Norms run in fp32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.dispatch import AttentionMetadata, ContiguousKVCache, attention, build_metadata
+from workers.models.config import ModelConfig
+from workers.models.rope import RotaryTable, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_q_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self._splits = (config.q_size, config.kv_size, config.kv_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: ContiguousKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        batch, num_new, _ = hidden.shape
+        q, k, v = self.qkv_proj(self.input_norm(hidden)).split(self._splits, dim=-1)
+        q = apply_rotary(q.view(batch, num_new, self.num_q_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(batch, num_new, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
+        attn = attention(
+            q, k, v, cache.keys[self.layer_index], cache.values[self.layer_index], meta, self.scale
+        )
+        hidden = hidden + self.o_proj(attn.reshape(batch, num_new, -1))
+        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [B, T], positions [B, T], cache) -> logits (fp32)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTable(config.rope, config.head_dim, min(config.max_position_embeddings, 4096))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def allocate_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
+        c = self.config
+        return ContiguousKVCache.allocate(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ContiguousKVCache,
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens through the model, writing their K/V into `cache`.
+
+        input_ids, positions: [B, T]. logit_index: [B] index into T of the one token per row whose
+        logits are wanted (returns [B, V]); None returns logits for every token ([B, T, V]).
+        """
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(f"position {int(positions.max())} is past the cache length {cache.max_len}")
+        meta = build_metadata(positions, self.config.sliding_window)
+        cos, sin = self.rotary.gather(positions, meta.kv_len - 1, self.dtype)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, cache, meta)
+        if logit_index is not None:
+            hidden = hidden[torch.arange(hidden.shape[0]), logit_index]
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in a Hugging Face checkpoint, fusing q/k/v and gate/up.
+
+        Raises ValueError naming missing or unexpected tensors.
+        """
+        remaining = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in remaining:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return remaining.pop(name)
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            lm_head = remaining.pop("lm_head.weight", None)
+            if not self.config.tie_word_embeddings:
+                if lm_head is None:
+                    raise ValueError("checkpoint is missing tensor 'lm_head.weight' (embeddings are not tied)")
+                self.lm_head.weight.copy_(lm_head)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+                layer.qkv_proj.weight.copy_(torch.cat(attn))
+                if self.config.qkv_bias:
+                    layer.qkv_proj.bias.copy_(torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
+                layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(
+                    torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+                )
+                layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
+                layer.input_norm.weight.copy_(take(f"{p}input_layernorm.weight"))
+                layer.post_attention_norm.weight.copy_(take(f"{p}post_attention_layernorm.weight"))
+        unexpected = [n for n in remaining if not n.endswith("rotary_emb.inv_freq")]
+        if unexpected:
+            raise ValueError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")

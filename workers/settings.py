@@ -1,0 +1,21 @@
+"""Settings of the engine side (env prefix TOLLWAY_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
+
+    home: Path = Path(".tollway")
+    """State folder: converted models under models/, later the SQLite database and files."""
+    model: str = "smollm2-135m-instruct"
+    """Built-in model name or path to a local Hugging Face folder."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AVX512-BF16/AMX, else fp32."""
+    num_threads: int = 0
+    """Torch CPU threads; 0 uses every core."""
