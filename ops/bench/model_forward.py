@@ -78,6 +78,23 @@ def hf_decode(model, ids: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def measure(
+    folder: Path, dtype: torch.dtype, prefill_ids: torch.Tensor, decode_ids: dict[int, torch.Tensor], repeats: int
+) -> list[tuple[str, float, float]]:
+    """(metric, ours tokens/s, transformers tokens/s) rows for one dtype."""
+    ours = load_model(folder, dtype).model
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    ours_t, hf_t = best_of_interleaved(
+        lambda: ours_prefill(ours, prefill_ids), lambda: hf_prefill(theirs, prefill_ids), repeats)
+    rows = [("prefill tok/s", PREFILL_LEN / ours_t, PREFILL_LEN / hf_t)]
+    for batch, ids in decode_ids.items():
+        ours_t, hf_t = best_of_interleaved(
+            lambda i=ids: ours_decode(ours, i), lambda i=ids: hf_decode(theirs, i), repeats)
+        tokens = batch * DECODE_STEPS
+        rows.append((f"decode tok/s (batch {batch})", tokens / ours_t, tokens / hf_t))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -99,20 +116,9 @@ def main() -> None:
           f"after a {DECODE_PROMPT_LEN}-token prompt  (best of {args.repeats}, alternating)")
     print(f"{'dtype':9} {'metric':22} {'tollway':>10} {'transformers':>13} {'ratio':>7}")
     for dtype in (torch.float32, torch.bfloat16):
-        ours = load_model(folder, dtype).model
-        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-        ours_t, hf_t = best_of_interleaved(
-            lambda: ours_prefill(ours, prefill_ids), lambda: hf_prefill(theirs, prefill_ids), args.repeats)
-        rows = [("prefill tok/s", PREFILL_LEN / ours_t, PREFILL_LEN / hf_t)]
-        for batch, ids in decode_ids.items():
-            ours_t, hf_t = best_of_interleaved(
-                lambda i=ids: ours_decode(ours, i), lambda i=ids: hf_decode(theirs, i), args.repeats)
-            tokens = batch * DECODE_STEPS
-            rows.append((f"decode tok/s (batch {batch})", tokens / ours_t, tokens / hf_t))
         name = str(dtype).removeprefix("torch.")
-        for metric, ours_v, hf_v in rows:
+        for metric, ours_v, hf_v in measure(folder, dtype, prefill_ids, decode_ids, args.repeats):
             print(f"{name:9} {metric:22} {ours_v:10.1f} {hf_v:13.1f} {ours_v / hf_v:6.2f}x", flush=True)
-
 
 if __name__ == "__main__":
     main()
