@@ -1,0 +1,76 @@
+"""Paged KV storage: per layer K and V tensors indexed by block id, sized from a memory budget.
+
+Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A token's K/V row for all
+heads is contiguous, so storing one new token is a single row write at its slot
+(slot = block_id * block_size + offset, viewing the tensor as [num_slots, heads, dim]); attention
+kernels read whole blocks through the block table, and gathering a sequence's blocks yields
+[tokens, heads, dim] directly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class KVStorage:
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def from_budget(
+        cls, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu", budget_bytes: int | None = None, memory_fraction: float | None = None,
+    ) -> KVStorage:
+        """As many blocks as fit in `budget_bytes`, or in `memory_fraction` of free memory."""
+        device = torch.device(device)
+        if (budget_bytes is None) == (memory_fraction is None):
+            raise ValueError("give exactly one of budget_bytes or memory_fraction")
+        if memory_fraction is not None:
+            if not 0.0 < memory_fraction <= 1.0:
+                raise ValueError("memory_fraction must be in (0, 1]")
+            budget_bytes = int(available_memory_bytes(device) * memory_fraction)
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = int(budget_bytes) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block ({per_block} bytes each)")
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of forked sequences)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
+        dst = torch.tensor([d for _, d in copies], device=self.keys[0].device)
+        for tensor in (*self.keys, *self.values):
+            tensor[dst] = tensor[src]
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat slots of token positions [start, end) of a sequence with this block table."""
+    return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+def slot_mapping_tensor(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Vectorised slot mapping: block_table [B, max_blocks], positions [B, T] -> slots [B, T]."""
+    blocks = torch.gather(block_table, 1, positions // block_size)
+    return blocks * block_size + positions % block_size

@@ -1,0 +1,287 @@
+"""Radix prefix tree: token ids -> KV block ids, one tree per cache namespace.
+
+Edges hold whole blocks only: an edge's key has `len(blocks) * block_size` tokens, and children
+are keyed by their first block of tokens, so every split falls on a block boundary. The
+namespace is part of the key: a lookup in one namespace never sees another's entries (tenants
+cannot probe each other's prompts through cache timing).
+
+Ownership: the tree holds one pool reference on each cached block and gives it back only from
+`evict` (it never frees on its own). `lock(handle)` gives the caller one reference on every block
+from the root to the handle, which keeps that path from eviction; releasing those references
+(`unlock`, or `pool.release` of the same ids) makes it evictable again. Because every holder
+holds a root path, a referenced block's ancestors are referenced too, so unreferenced nodes are
+always whole subtrees and eviction can go leaf first. (The one exception is brief: a sequence that
+inserts blocks below a prefix it did not hold, until it releases them.)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cache.block_pool import BlockPool
+
+
+@dataclass(eq=False)
+class _Node:
+    key: list[int]  # tokens on the edge from the parent; len == len(blocks) * block_size
+    blocks: list[int]
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    last_access: int = 0
+    alive: bool = True
+    namespace: str = ""  # set on roots only
+
+
+@dataclass
+class NamespaceStats:
+    hit_tokens: int = 0  # prompt tokens served from the cache by match
+    miss_tokens: int = 0  # prompt tokens match could not serve
+    inserted_tokens: int = 0
+    evicted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    cached_len: int  # tokens covered by block_ids; a multiple of block_size, <= len(tokens) - 1
+    block_ids: list[int]
+    handle: _Node | None  # deepest matched node; pass to lock/unlock
+
+
+class RadixPrefixTree:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._roots: dict[str, _Node] = {}
+        self.stats: dict[str, NamespaceStats] = {}
+        self._clock = itertools.count(1)
+        # Candidate leaves for eviction as (last_access, tiebreak, node); entries go stale when a
+        # node is touched, split off, gets children or dies, and are skipped when popped.
+        self._leaf_heap: list[tuple[int, int, _Node]] = []
+        self._tiebreak = itertools.count()
+        self._num_nodes = 0
+        pool.set_evictor(self.evict)
+
+    # -- lookups ------------------------------------------------------------------------------
+    def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of whole blocks, never covering the last token."""
+        tokens = list(tokens)
+        stats = self.stats.setdefault(namespace, NamespaceStats())
+        max_blocks = (len(tokens) - 1) // self.block_size
+        node, num_blocks, block_ids = self._walk(namespace, tokens, max_blocks, block_ids=[])
+        if node is not None:
+            self._touch(node)
+        cached_len = num_blocks * self.block_size
+        stats.hit_tokens += cached_len
+        stats.miss_tokens += len(tokens) - cached_len
+        return MatchResult(cached_len, block_ids, node)
+
+    def insert(self, namespace: str, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Cache the whole blocks of `tokens` (held by the caller as `block_ids`).
+
+        Returns how many tokens were already cached; the caller's blocks for that part are
+        duplicates it simply releases. The tree takes its own reference on the blocks it adds.
+        """
+        tokens = list(tokens)
+        num_blocks = len(tokens) // self.block_size
+        if len(block_ids) < num_blocks:
+            raise ValueError(f"{num_blocks} full blocks of tokens but only {len(block_ids)} block ids")
+        if namespace not in self._roots:
+            self._roots[namespace] = _Node(key=[], blocks=[], parent=None, namespace=namespace)
+        node, matched, _ = self._walk(namespace, tokens, num_blocks, block_ids=None)
+        node = node or self._roots[namespace]
+        if matched < num_blocks:
+            bs = self.block_size
+            new_blocks = list(block_ids[matched:num_blocks])
+            child = _Node(key=list(tokens[matched * bs : num_blocks * bs]), blocks=new_blocks, parent=node)
+            node.children[tuple(child.key[:bs])] = child
+            self.pool.cache(new_blocks)
+            self._num_nodes += 1
+            self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += len(child.key)
+            node = child
+        if node.parent is not None:
+            self._touch(node)
+        return matched * self.block_size
+
+    def _walk(
+        self, namespace: str, tokens: Sequence[int], max_blocks: int, block_ids: list[int] | None
+    ) -> tuple[_Node | None, int, list[int]]:
+        """Follow `tokens` down whole blocks (at most max_blocks), splitting the last edge where
+        the match ends inside it. Returns (deepest matched node or None, blocks matched, ids)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return None, 0, block_ids or []
+        bs = self.block_size
+        node, pos = root, 0
+        while pos < max_blocks:
+            child = node.children.get(tuple(tokens[pos * bs : (pos + 1) * bs]))
+            if child is None:
+                break
+            edge_blocks = len(child.blocks)
+            limit = min(edge_blocks, max_blocks - pos)
+            if limit == edge_blocks and child.key == tokens[pos * bs : (pos + edge_blocks) * bs]:
+                matched = edge_blocks
+            else:
+                matched = 1
+                while matched < limit and (
+                    child.key[matched * bs : (matched + 1) * bs] == tokens[(pos + matched) * bs : (pos + matched + 1) * bs]
+                ):
+                    matched += 1
+            if matched < edge_blocks:
+                child = self._split(child, matched)
+            if block_ids is not None:
+                block_ids.extend(child.blocks)
+            pos += matched
+            node = child
+            if matched < edge_blocks:
+                break
+        return (node if pos else None), pos, block_ids or []
+
+    def _split(self, node: _Node, num_blocks: int) -> _Node:
+        """Cut `node`'s edge after num_blocks; returns the new upper node (node keeps the rest)."""
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None
+        upper = _Node(
+            key=node.key[: num_blocks * bs], blocks=node.blocks[:num_blocks], parent=parent,
+            last_access=node.last_access,
+        )
+        node.key, node.blocks = node.key[num_blocks * bs :], node.blocks[num_blocks:]
+        node.parent = upper
+        upper.children[tuple(node.key[:bs])] = node
+        parent.children[tuple(upper.key[:bs])] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _touch(self, node: _Node) -> None:
+        """Mark the path root..node as used now; (re)queue node if it is a leaf."""
+        now = next(self._clock)
+        bottom = node
+        while node.parent is not None:
+            node.last_access = now
+            node = node.parent
+        if not bottom.children:
+            self._push_leaf(bottom)
+
+    def _push_leaf(self, node: _Node) -> None:
+        heapq.heappush(self._leaf_heap, (node.last_access, next(self._tiebreak), node))
+        if len(self._leaf_heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        leaves = [n for root in self._roots.values() for n in _descendants(root) if not n.children]
+        self._leaf_heap = [(n.last_access, next(self._tiebreak), n) for n in leaves]
+        heapq.heapify(self._leaf_heap)
+
+    # -- locking ------------------------------------------------------------------------------
+    def lock(self, handle: _Node | None) -> None:
+        """Give the caller one reference on each block from the root to `handle`."""
+        self.pool.retain(path_blocks(handle))
+
+    def unlock(self, handle: _Node | None) -> None:
+        self.pool.release(path_blocks(handle))
+
+    # -- eviction -----------------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks unreferenced blocks, least recently used leaves first, taking
+        blocks from the end of a leaf's edge; a parent becomes a leaf once its children are gone."""
+        freed: list[int] = []
+        referenced: list[_Node] = []  # leaves in use now; requeued afterwards
+        while len(freed) < num_blocks and self._leaf_heap:
+            access, _, node = heapq.heappop(self._leaf_heap)
+            if not node.alive or node.children or node.last_access != access:
+                continue
+            if self.pool.ref_count(node.blocks[-1]) != 1:
+                referenced.append(node)
+                continue
+            self._evict_tail(node, num_blocks - len(freed), freed)
+            if node.alive:
+                referenced.append(node)  # partly evicted and still a leaf: keep it queued
+        for node in referenced:
+            self._push_leaf(node)
+        return freed
+
+    def _evict_tail(self, node: _Node, wanted: int, freed: list[int]) -> None:
+        bs = self.block_size
+        taken = 0
+        while node.blocks and taken < wanted and self.pool.ref_count(node.blocks[-1]) == 1:
+            block_id = node.blocks.pop()
+            del node.key[-bs:]
+            self.pool.uncache([block_id])
+            freed.append(block_id)
+            taken += 1
+        self.stats[_root_of(node).namespace].evicted_tokens += taken * bs
+        if node.blocks:
+            return
+        parent = node.parent
+        assert parent is not None
+        del parent.children[next(k for k, c in parent.children.items() if c is node)]
+        node.alive = False
+        self._num_nodes -= 1
+        if not parent.children and parent.parent is not None:
+            self._push_leaf(parent)
+
+    # -- checks -------------------------------------------------------------------------------
+    def cached_prefixes(self, namespace: str) -> list[list[int]]:
+        """Token sequences of every leaf path (for tests and debugging)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return []
+        out = []
+        for node in _descendants(root):
+            if not node.children:
+                out.append([t for n in reversed(list(_path(node))) for t in n.key])
+        return out
+
+    def check_integrity(self, holders: Mapping[int, int] | None = None) -> None:
+        """Raise AssertionError unless tree and pool agree (see BlockPool.check_integrity)."""
+        self.pool.check_integrity(holders)
+        bs = self.block_size
+        seen: set[int] = set()
+        num_nodes = 0
+        for root in self._roots.values():
+            for node in _descendants(root):
+                num_nodes += 1
+                if len(node.key) != len(node.blocks) * bs or not node.blocks:
+                    raise AssertionError("an edge is not a whole number of blocks")
+                if node.parent is None or node.parent.children.get(tuple(node.key[:bs])) is not node:
+                    raise AssertionError("a child is not keyed by its first block")
+                for block_id in node.blocks:
+                    if block_id in seen or not self.pool.is_cached(block_id):
+                        raise AssertionError(f"block {block_id} is in the tree twice or not marked cached")
+                    seen.add(block_id)
+        if num_nodes != self._num_nodes:
+            raise AssertionError(f"node count {self._num_nodes} != actual {num_nodes}")
+        cached = sum(self.pool.is_cached(b) for b in range(self.pool.num_blocks))
+        if cached != len(seen):
+            raise AssertionError(f"{cached} blocks marked cached, {len(seen)} in the tree")
+
+
+def _descendants(root: _Node) -> list[_Node]:
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def _path(node: _Node):
+    while node.parent is not None:
+        yield node
+        node = node.parent
+
+
+def path_blocks(handle: _Node | None) -> list[int]:
+    """Block ids from the root down to `handle` (inclusive)."""
+    if handle is None:
+        return []
+    return [b for node in reversed(list(_path(handle))) for b in node.blocks]
+
+
+def _root_of(node: _Node) -> _Node:
+    while node.parent is not None:
+        node = node.parent
+    return node
