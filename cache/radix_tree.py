@@ -205,6 +205,7 @@ class RadixPrefixTree:
 
     def _evict_tail(self, node: _Node, wanted: int, freed: list[int]) -> None:
         bs = self.block_size
+        edge_key = tuple(node.key[:bs])
         taken = 0
         while node.blocks and taken < wanted and self.pool.ref_count(node.blocks[-1]) == 1:
             block_id = node.blocks.pop()
@@ -217,7 +218,7 @@ class RadixPrefixTree:
             return
         parent = node.parent
         assert parent is not None
-        del parent.children[next(k for k, c in parent.children.items() if c is node)]
+        del parent.children[edge_key]
         node.alive = False
         self._num_nodes -= 1
         if not parent.children and parent.parent is not None:

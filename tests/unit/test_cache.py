@@ -158,3 +158,11 @@ def test_misuse_is_refused() -> None:
         pool.retain([block])
     with pytest.raises(ValueError, match="block ids"):
         tree.insert("a", list(range(8)), [])
+
+
+def test_tree_logic_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, cache; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
