@@ -99,9 +99,9 @@ class LlamaForCausalLM(nn.Module):
         input_ids, positions: [B, T]. logit_index: [B] index into T of the one token per row whose
         logits are wanted (returns [B, V]); None returns logits for every token ([B, T, V]).
         """
-        if int(positions.max()) >= cache.max_len:
-            raise ValueError(f"position {int(positions.max())} is past the cache length {cache.max_len}")
         meta = build_metadata(positions, self.config.sliding_window)
+        if meta.kv_len > cache.max_len:
+            raise ValueError(f"position {meta.kv_len - 1} is past the cache length {cache.max_len}")
         cos, sin = self.rotary.gather(positions, meta.kv_len - 1, self.dtype)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
