@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 TEMP_PREFIX = ".converting-"
@@ -72,8 +73,6 @@ def write_converted_folder(gguf_path: Path, out: Path) -> None:
 
 
 def _sweep_stale_temp_folders(parent: Path, max_age_s: float = 3600.0) -> None:
-    import time
-
     for path in parent.glob(f"{TEMP_PREFIX}*"):
         try:
             if time.time() - path.stat().st_mtime > max_age_s:

@@ -47,13 +47,6 @@ class TextTokenizer:
         names = ("bos_token", "eos_token", "pad_token", "unk_token")
         return cls(tokenizer, {n: _token_text(config.get(n)) for n in names}, template)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def token_id(self, text: str) -> int | None:
-        return self._tokenizer.token_to_id(text)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
