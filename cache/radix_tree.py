@@ -70,7 +70,7 @@ class RadixPrefixTree:
         tokens = list(tokens)
         stats = self.stats.setdefault(namespace, NamespaceStats())
         max_blocks = (len(tokens) - 1) // self.block_size
-        node, num_blocks, block_ids = self._walk(namespace, tokens, max_blocks, block_ids=[])
+        node, num_blocks, block_ids = self._walk(namespace, tokens, max_blocks)
         if node is not None:
             self._touch(node)
         cached_len = num_blocks * self.block_size
@@ -90,7 +90,7 @@ class RadixPrefixTree:
             raise ValueError(f"{num_blocks} full blocks of tokens but only {len(block_ids)} block ids")
         if namespace not in self._roots:
             self._roots[namespace] = _Node(key=[], blocks=[], parent=None, namespace=namespace)
-        node, matched, _ = self._walk(namespace, tokens, num_blocks, block_ids=None)
+        node, matched, _ = self._walk(namespace, tokens, num_blocks)
         node = node or self._roots[namespace]
         if matched < num_blocks:
             bs = self.block_size
@@ -105,16 +105,14 @@ class RadixPrefixTree:
             self._touch(node)
         return matched * self.block_size
 
-    def _walk(
-        self, namespace: str, tokens: Sequence[int], max_blocks: int, block_ids: list[int] | None
-    ) -> tuple[_Node | None, int, list[int]]:
+    def _walk(self, namespace: str, tokens: list[int], max_blocks: int) -> tuple[_Node | None, int, list[int]]:
         """Follow `tokens` down whole blocks (at most max_blocks), splitting the last edge where
         the match ends inside it. Returns (deepest matched node or None, blocks matched, ids)."""
         root = self._roots.get(namespace)
         if root is None:
-            return None, 0, block_ids or []
+            return None, 0, []
         bs = self.block_size
-        node, pos = root, 0
+        node, pos, block_ids = root, 0, []
         while pos < max_blocks:
             child = node.children.get(tuple(tokens[pos * bs : (pos + 1) * bs]))
             if child is None:
@@ -131,13 +129,12 @@ class RadixPrefixTree:
                     matched += 1
             if matched < edge_blocks:
                 child = self._split(child, matched)
-            if block_ids is not None:
-                block_ids.extend(child.blocks)
+            block_ids.extend(child.blocks)
             pos += matched
             node = child
             if matched < edge_blocks:
                 break
-        return (node if pos else None), pos, block_ids or []
+        return (node if pos else None), pos, block_ids
 
     def _split(self, node: _Node, num_blocks: int) -> _Node:
         """Cut `node`'s edge after num_blocks; returns the new upper node (node keeps the rest)."""

@@ -42,12 +42,14 @@ def hold_and_insert(tree: RadixPrefixTree, namespace: str, tokens: list[int]) ->
     return matched_at - start, inserted_at - insert_start
 
 
-def percentile(samples: list[float], q: float) -> float:
+def percentile(samples: list[float] | tuple[float, ...], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(label: str, matches: list[float], inserts: list[float]) -> None:
+def report(label: str, tree: RadixPrefixTree, prompts: list[list[int]]) -> None:
+    """Run each prompt's cache life and print match + insert latency percentiles."""
+    matches, inserts = zip(*(hold_and_insert(tree, "tenant", tokens) for tokens in prompts), strict=True)
     us = 1e6
     totals = [m + i for m, i in zip(matches, inserts, strict=True)]
     print(f"{label}, {len(totals)} trials: p50 {percentile(totals, 0.5) * us:.0f} µs, "
@@ -68,22 +70,14 @@ def main() -> None:
     print(f"cached: {pool.num_evictable * BLOCK_SIZE:,} tokens in {pool.num_evictable:,} blocks "
           f"({NUM_PROMPTS} prompts, {NUM_SYSTEM_PROMPTS} shared system prompts)")
 
-    matches, inserts = [], []
-    for i in range(args.trials):
-        tokens = systems[i % NUM_SYSTEM_PROMPTS] + random_tokens(rng, LONG_PROMPT_LEN - SYSTEM_PROMPT_LEN)
-        m, ins = hold_and_insert(tree, "tenant", tokens)
-        matches.append(m)
-        inserts.append(ins)
-    report(f"match + insert of a new {LONG_PROMPT_LEN}-token prompt (system prompt hit)", matches, inserts)
-
+    new_prompts = [
+        systems[i % NUM_SYSTEM_PROMPTS] + random_tokens(rng, LONG_PROMPT_LEN - SYSTEM_PROMPT_LEN)
+        for i in range(args.trials)
+    ]
+    report(f"match + insert of a new {LONG_PROMPT_LEN}-token prompt (system prompt hit)", tree, new_prompts)
     longest = max(tree.cached_prefixes("tenant"), key=len)
-    repeats = [longest + [1] for _ in range(args.trials)]
-    matches, inserts = [], []
-    for tokens in repeats:
-        m, ins = hold_and_insert(tree, "tenant", tokens)
-        matches.append(m)
-        inserts.append(ins)
-    report(f"match + insert of a fully cached {len(repeats[0])}-token prompt", matches, inserts)
+    report(f"match + insert of a fully cached {len(longest) + 1}-token prompt", tree,
+           [longest + [1]] * args.trials)
 
     tree.check_integrity()
     print(f"evictable before eviction: {pool.num_evictable:,} blocks")
