@@ -16,6 +16,20 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. The switch is read when a
+# kernel is defined, so it is set here, before any test module imports kernels.triton_*.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -25,12 +39,7 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
+    has_cuda = _cuda_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not has_cuda:

@@ -1,7 +1,7 @@
-"""Offline batched generation over a contiguous KV cache (no server, no scheduler).
+"""Offline batched generation over paged KV (no server, no scheduler).
 
-Prompts are right-padded to one length and prefilled together; each row then decodes at its own
-position. Rows stop at a stop token or `max_new_tokens`; the batch stops when every row has.
+All prompts are prefilled in one flat step, then the unfinished ones decode together; a row leaves
+the batch at a stop token or after `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
 from workers.models.llama import LlamaForCausalLM
+from workers.paged_step import run_step
 
 
 @dataclass(frozen=True)
@@ -40,36 +43,33 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     stop_token_ids: Sequence[int] = (),
+    block_size: int = 16,
 ) -> list[list[int]]:
     """Completion token ids for each prompt (stop token excluded)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    batch = len(prompts)
-    lengths = torch.tensor([len(p) for p in prompts])
-    prompt_len = int(lengths.max())
-    cache = model.allocate_cache(batch, prompt_len + params.max_new_tokens)
+    num_blocks = sum(-(-(len(p) + params.max_new_tokens) // block_size) for p in prompts)
+    kv = model.allocate_kv(num_blocks, block_size)
+    pool = BlockPool(num_blocks, block_size)
+    tables = [BlockTable(pool) for _ in prompts]
     generator = None
     if params.seed is not None:
-        generator = torch.Generator().manual_seed(params.seed)
+        generator = torch.Generator(device=model.device).manual_seed(params.seed)
 
-    input_ids = torch.zeros(batch, prompt_len, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, : len(prompt)] = torch.tensor(prompt)
-    positions = torch.arange(prompt_len).expand(batch, prompt_len)
-    logits = model(input_ids, positions, cache, logit_index=lengths - 1)
-
-    stops = torch.tensor(list(stop_token_ids), dtype=torch.long)
-    finished = torch.zeros(batch, dtype=torch.bool)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    next_positions = lengths.clone()
-    for _ in range(params.max_new_tokens):
-        tokens = sample(logits, params, generator)
-        finished |= torch.isin(tokens, stops)
-        for row, token in enumerate(tokens.tolist()):
-            if not finished[row] and len(outputs[row]) < params.max_new_tokens:
-                outputs[row].append(token)
-        if bool(finished.all()) or max(len(o) for o in outputs) >= params.max_new_tokens:
-            break
-        logits = model(tokens[:, None], next_positions[:, None], cache, logit_index=torch.zeros(batch, dtype=torch.long))
-        next_positions += 1
+    logits = run_step(model, kv, tables, prompts)
+    stops = set(stop_token_ids)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))  # rows still generating, in the order of `logits`
+    while active:
+        tokens = sample(logits, params, generator).tolist()
+        still = []
+        for row, token in zip(active, tokens, strict=True):
+            if token in stops:
+                continue
+            outputs[row].append(token)
+            if len(outputs[row]) < params.max_new_tokens:
+                still.append(row)
+        active = still
+        if active:
+            logits = run_step(model, kv, [tables[r] for r in active], [[outputs[r][-1]] for r in active])
     return outputs

@@ -16,12 +16,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from cache.kv_storage import KVStorage
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import load_model
+from workers.paged_step import run_step
 
 PREFILL_LEN = 512
 DECODE_PROMPT_LEN = 64
 DECODE_STEPS = 32
+BLOCK_SIZE = 16
 
 
 def best_of_interleaved(ours_fn, hf_fn, repeats: int) -> tuple[float, float]:
@@ -38,25 +43,27 @@ def best_of_interleaved(ours_fn, hf_fn, repeats: int) -> tuple[float, float]:
     return min(ours_s), min(hf_s)
 
 
+def fresh_paged_kv(model, batch: int, tokens_each: int) -> tuple[KVStorage, list[BlockTable]]:
+    pool = BlockPool(batch * -(-tokens_each // BLOCK_SIZE), BLOCK_SIZE)
+    return model.allocate_kv(pool.num_blocks, BLOCK_SIZE), [BlockTable(pool) for _ in range(batch)]
+
+
 def ours_prefill(model, ids: torch.Tensor) -> float:
-    """Seconds to prefill `ids` [B, T] into a fresh cache, wanting the last token's logits."""
+    """Seconds to prefill `ids` [B, T] into fresh paged KV, wanting the last token's logits."""
     start = time.perf_counter()
-    cache = model.allocate_cache(ids.shape[0], ids.shape[1])
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    model(ids, positions, cache, logit_index=torch.full((ids.shape[0],), ids.shape[1] - 1))
+    kv, tables = fresh_paged_kv(model, ids.shape[0], ids.shape[1])
+    run_step(model, kv, tables, ids.tolist())
     return time.perf_counter() - start
 
 
 def ours_decode(model, ids: torch.Tensor) -> float:
     """Seconds of DECODE_STEPS greedy decode steps after prefilling `ids` (prefill not counted)."""
-    batch, length = ids.shape
-    cache = model.allocate_cache(batch, length + DECODE_STEPS)
-    logits = model(ids, torch.arange(length).expand_as(ids), cache, logit_index=torch.full((batch,), length - 1))
-    zeros = torch.zeros(batch, dtype=torch.long)
+    kv, tables = fresh_paged_kv(model, ids.shape[0], ids.shape[1] + DECODE_STEPS)
+    logits = run_step(model, kv, tables, ids.tolist())
     start = time.perf_counter()
-    for step in range(DECODE_STEPS):
-        token = logits.argmax(-1, keepdim=True)
-        logits = model(token, torch.full((batch, 1), length + step), cache, logit_index=zeros)
+    for _ in range(DECODE_STEPS):
+        tokens = logits.argmax(-1).tolist()
+        logits = run_step(model, kv, tables, [[t] for t in tokens])
     return time.perf_counter() - start
 
 

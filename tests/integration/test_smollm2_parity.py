@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
 from workers.generate import SamplingParams, generate
 from workers.models.loader import LoadedModel, load_model
+from workers.paged_step import prefill_logits, run_step
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +54,42 @@ def test_logits_match_transformers_fp32(ours: LoadedModel, theirs, prompt: str) 
     ids = torch.tensor([ours.tokenizer.encode(prompt)])
     with torch.no_grad():
         expected = theirs(ids).logits
-    positions = torch.arange(ids.shape[1])[None]
-    got = ours.model(ids, positions, ours.model.allocate_cache(1, ids.shape[1]))
+    got = prefill_logits(ours.model, ids.tolist())
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= 1e-3
+
+
+def test_paged_prefix_extend_and_decode_match_full_forward(ours: LoadedModel, theirs) -> None:
+    """Three sequences grow through cached prefixes, mixed decode + extend steps and decodes; every
+    token's logits equal a full forward over the whole sequence (transformers, contiguous KV)."""
+    texts = (LONG_PROMPT, LONG_PROMPT[:400], f"{PROMPTS[2]} {PROMPTS[3]}")
+    prompts = [ours.tokenizer.encode(t) for t in texts]
+    pool = BlockPool(256, block_size=16)
+    kv = ours.model.allocate_kv(pool.num_blocks, pool.block_size)
+    tables = [BlockTable(pool) for _ in prompts]
+    done = [0] * len(prompts)
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def step(wanted: dict[int, int]) -> None:
+        chunks = {s: min(n, len(prompts[s]) - done[s]) for s, n in wanted.items()}
+        order = sorted((s for s in chunks if chunks[s] > 0), key=lambda s: chunks[s] != 1)  # decodes first
+        new = [prompts[s][done[s] : done[s] + chunks[s]] for s in order]
+        logits = run_step(ours.model, kv, [tables[s] for s in order], new, all_logits=True)
+        for s, part in zip(order, logits.split([len(n) for n in new]), strict=True):
+            got[s].append(part)
+            done[s] += chunks[s]
+
+    step({s: len(p) // 2 for s, p in enumerate(prompts)})  # prefill half of each
+    step({0: 1, 1: 5, 2: 3})  # a decode beside two extends on cached prefixes
+    step({0: 37, 1: 1, 2: 1})
+    for _ in range(5):  # batched decodes
+        step({0: 1, 1: 1, 2: 1})
+    step({s: len(p) for s, p in enumerate(prompts)})  # the rest as extends
+    assert done == [len(p) for p in prompts]
+    for s, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = theirs(torch.tensor([prompt])).logits[0]
+        assert (torch.cat(got[s]) - expected).abs().max().item() <= 1e-3
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: p[:20])

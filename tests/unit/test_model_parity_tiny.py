@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
 from workers.generate import SamplingParams, generate
 from workers.models.loader import load_model
+from workers.paged_step import prefill_logits, run_step
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -33,8 +36,7 @@ def tiny_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
-    return model(ids, positions, model.allocate_cache(ids.shape[0], ids.shape[1]))
+    return prefill_logits(model, ids.tolist())
 
 
 def test_prefill_logits_match_transformers(tiny_pair) -> None:
@@ -49,11 +51,13 @@ def test_incremental_decode_equals_full_forward(tiny_pair) -> None:
     ours, _ = tiny_pair
     ids = torch.randint(3, ours.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     expected = full_logits(ours, ids)[0]
-    cache = ours.allocate_cache(1, 20)
-    prefix = 13
-    logits = [ours(ids[:, :prefix], torch.arange(prefix)[None], cache)[0]]
-    for pos in range(prefix, 20):
-        logits.append(ours(ids[:, pos : pos + 1], torch.tensor([[pos]]), cache)[0])
+    pool = BlockPool(8, block_size=4)  # small blocks: the prefix ends mid-block and decode crosses blocks
+    kv, table = ours.allocate_kv(8, block_size=4), BlockTable(pool)
+    prefix, tokens = 13, ids[0].tolist()
+    logits = [run_step(ours, kv, [table], [tokens[:prefix]], all_logits=True)]
+    logits.append(run_step(ours, kv, [table], [tokens[prefix:16]], all_logits=True))  # extend on a prefix
+    for pos in range(16, 20):
+        logits.append(run_step(ours, kv, [table], [[tokens[pos]]]))
     assert (torch.cat(logits) - expected).abs().max().item() <= 1e-4
 
 

@@ -1,8 +1,10 @@
 """Our Llama-family causal LM (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU.
 
 Weights keep Hugging Face names on load but are fused for speed: q/k/v become one projection and
-gate/up another, so each layer runs four matmuls. Attention goes through the single
-`kernels.dispatch.attention` call. Norms run in fp32 whatever the weight dtype.
+gate/up another, so each layer runs four matmuls. A step is a flat batch of new tokens from any
+mix of sequences (prefill chunks and decodes); their K/V live in paged blocks (`cache.KVStorage`)
+and attention is the single `kernels.dispatch.paged_attention` call. Norms run in fp32 whatever
+the weight dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import AttentionMetadata, ContiguousKVCache, attention, build_metadata
+from cache.kv_storage import KVStorage
+from kernels.dispatch import paged_attention
+from kernels.metadata import PagedAttentionMetadata
 from workers.models.config import ModelConfig
 from workers.models.rope import RotaryTable, apply_rotary
 
@@ -35,6 +39,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
@@ -48,24 +53,24 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: ContiguousKVCache,
-        meta: AttentionMetadata,
+        kv: KVStorage,
+        meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        batch, num_new, _ = hidden.shape
+        num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(self.input_norm(hidden)).split(self._splits, dim=-1)
-        q = apply_rotary(q.view(batch, num_new, self.num_q_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(batch, num_new, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
-        attn = attention(
-            q, k, v, cache.keys[self.layer_index], cache.values[self.layer_index], meta, self.scale
+        q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(
+            q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale, self.sliding_window
         )
-        hidden = hidden + self.o_proj(attn.reshape(batch, num_new, -1))
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1))
         gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [B, T], positions [B, T], cache) -> logits (fp32)."""
+    """forward(input_ids [N], kv, meta) -> logits (fp32); see `forward`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,32 +87,36 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def allocate_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def allocate_kv(self, num_blocks: int, block_size: int = 16) -> KVStorage:
         c = self.config
-        return ContiguousKVCache.allocate(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, self.dtype)
+        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: ContiguousKVCache,
-        logit_index: torch.Tensor | None = None,
+        kv: KVStorage,
+        meta: PagedAttentionMetadata,
+        logit_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run new tokens through the model, writing their K/V into `cache`.
+        """Run a step's new tokens [N] through the model, writing their K/V into `kv`.
 
-        input_ids, positions: [B, T]. logit_index: [B] index into T of the one token per row whose
-        logits are wanted (returns [B, V]); None returns logits for every token ([B, T, V]).
+        `meta` places each token (position, slot, sequence). logit_indices: flat indices of the
+        tokens whose logits are wanted (e.g. each sequence's last new token) -> [len, V]; None
+        returns logits for every token ([N, V]).
         """
-        meta = build_metadata(positions, self.config.sliding_window)
-        if meta.kv_len > cache.max_len:
-            raise ValueError(f"position {meta.kv_len - 1} is past the cache length {cache.max_len}")
-        cos, sin = self.rotary.gather(positions, meta.kv_len - 1, self.dtype)
+        if meta.block_size != kv.block_size:
+            raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
+        cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, cache, meta)
-        if logit_index is not None:
-            hidden = hidden[torch.arange(hidden.shape[0]), logit_index]
+            hidden = layer(hidden, cos, sin, kv, meta)
+        if logit_indices is not None:
+            hidden = hidden[logit_indices]
         return self.lm_head(self.norm(hidden)).float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -45,22 +45,24 @@ class RotaryTable:
         self._build(initial_positions)
 
     def _build(self, num_positions: int) -> None:
-        positions = torch.arange(num_positions, dtype=torch.float32, device="cpu")
+        positions = torch.arange(num_positions, dtype=torch.float32, device=self._inv_freq.device)
         freqs = positions[:, None] * self._inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = angles.cos(), angles.sin()
 
     def gather(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [B, T] as [B, T, 1, head_dim] (broadcast over heads)."""
+        """cos, sin for `positions` [...] as [..., 1, head_dim] (broadcast over heads), on their device."""
         if max_position >= self._cos.shape[0]:
             self._build(max(2 * self._cos.shape[0], max_position + 1))
-        cos = self._cos[positions].unsqueeze(2).to(dtype)
-        sin = self._sin[positions].unsqueeze(2).to(dtype)
+        if self._cos.device != positions.device:
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        cos = self._cos[positions].unsqueeze(-2).to(dtype)
+        sin = self._sin[positions].unsqueeze(-2).to(dtype)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by the per-position angles (cos/sin [B, T, 1, D])."""
+    """Rotate x [..., H, D] by the per-position angles (cos/sin [..., 1, D])."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

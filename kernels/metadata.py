@@ -1,0 +1,104 @@
+"""What paged attention needs to know about one forward step, built once and shared by all layers.
+
+A step runs a flat batch of N new tokens from S sequences. Sequence s owns tokens
+[query_start[s], query_start[s + 1]) of the flat batch; its K/V (cached prefix and new tokens) live
+in the blocks of row s of `block_tables`, and after this step it holds `context_lens[s]` tokens, so
+its new tokens sit at positions [context_lens[s] - query_len, context_lens[s]).
+
+Invariant: the first `num_decodes` sequences have exactly one new token each (they go to the
+decode kernel); the rest go to the extend kernel. `build` counts the leading one-token sequences,
+so callers that want decode speed put decodes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PagedAttentionMetadata:
+    query_start: torch.Tensor  # [S + 1] int32, cumulative new-token counts
+    context_lens: torch.Tensor  # [S] int32, tokens held after this step (prefix + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0 past each sequence's blocks
+    slot_mapping: torch.Tensor  # [N] int64, flat slot (block * block_size + offset) of each new token
+    positions: torch.Tensor  # [N] int64, absolute position of each new token
+    block_size: int
+    num_decodes: int
+    query_lens_list: list[int]
+    context_lens_list: list[int]
+    # Per-step preparations of a backend (gather indices, masks), keyed by backend and dtype and
+    # made by the first layer that needs them; owned by the backend that wrote them.
+    prepared: dict[object, object] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes  # one token per decode sequence
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_list, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_list, default=0)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionMetadata:
+        if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
+            raise ValueError("need one query length, context length and block table per sequence (at least one)")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block size must be a power of two, got {block_size}")
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+            if not 1 <= q_len <= ctx:
+                raise ValueError(f"a sequence needs 1 <= new tokens ({q_len}) <= context length ({ctx})")
+            if len(table) * block_size < ctx:
+                raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {ctx} tokens")
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        max_blocks = max(len(t) for t in block_tables)
+        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        for row, blocks in enumerate(block_tables):
+            table[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
+        q_lens = torch.as_tensor(list(query_lens), dtype=torch.int64)
+        ctx_lens = torch.as_tensor(list(context_lens), dtype=torch.int64)
+        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        positions = torch.arange(int(query_start[-1])) - query_start[seq_of_token] + (ctx_lens - q_lens)[seq_of_token]
+        blocks = table[seq_of_token, positions // block_size].long()
+        slots = blocks * block_size + positions % block_size
+        return cls(
+            query_start=query_start.to(device=device, dtype=torch.int32),
+            context_lens=ctx_lens.to(device=device, dtype=torch.int32),
+            block_tables=table.to(device),
+            slot_mapping=slots.to(device),
+            positions=positions.to(device),
+            block_size=block_size,
+            num_decodes=num_decodes,
+            query_lens_list=list(query_lens),
+            context_lens_list=list(context_lens),
+        )
+
+    def extend_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start rebased to 0, context_lens, block_tables) of the sequences after the decodes."""
+        d = self.num_decodes
+        return self.query_start[d:] - self.query_start[d], self.context_lens[d:], self.block_tables[d:]

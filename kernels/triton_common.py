@@ -1,0 +1,75 @@
+"""Small helpers shared by the Triton kernels' launchers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep full fp32 products (TF32 would cost ~1e-3 of accuracy); half types are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _count_for(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the CPU interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return _count_for(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.stride(-1) != 1:
+            raise ValueError("the Triton kernels need the head dimension contiguous (stride 1)")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """The CPU interpreter multiplies bf16 bit patterns in `tl.dot` (triton-lang/triton#11584, unsupported
+    upstream), so under it the kernels widen half-precision dot operands to fp32. Products of two
+    bf16 values are exact in fp32, so this matches the GPU's bf16 dot with fp32 accumulation."""
+    return interpreting() and dtype != torch.float32
+
+
+@triton.jit
+def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation; UPCAST widens the operands first (see `upcast_dots`)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
+                 stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+    """[tokens, dims] of one KV head, each token found through its sequence's block table."""
+    blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+    offsets = blocks[:, None] * stride_block + (tokens % BLOCK_SIZE)[:, None] * stride_slot
+    return tl.load(cache_ptr + offsets + kv_head * stride_head + dims[None, :],
+                   mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def online_softmax_update(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one tile of masked scores (-inf = hidden) and its values into the running max, sum
+    and output. A row with no visible key so far keeps m = -inf and contributes nothing."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
