@@ -78,6 +78,12 @@ class RadixPrefixTree:
         stats.miss_tokens += len(tokens) - cached_len
         return MatchResult(cached_len, block_ids, node)
 
+    def peek(self, namespace: str, tokens: Sequence[int]) -> int:
+        """Tokens `match` would serve now, without counting it in the stats or touching LRU order."""
+        tokens = list(tokens)
+        _, num_blocks, _ = self._walk(namespace, tokens, (len(tokens) - 1) // self.block_size)
+        return num_blocks * self.block_size
+
     def insert(self, namespace: str, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
         """Cache the whole blocks of `tokens` (held by the caller as `block_ids`).
 

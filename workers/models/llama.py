@@ -3,8 +3,9 @@
 Weights keep Hugging Face names on load but are fused for speed: q/k/v become one projection and
 gate/up another, so each layer runs four matmuls. A step is a flat batch of new tokens from any
 mix of sequences (prefill chunks and decodes); their K/V live in paged blocks (`cache.KVStorage`)
-and attention is the single `kernels.dispatch.paged_attention` call. Norms run in fp32 whatever
-the weight dtype.
+and attention is the single `kernels.dispatch.paged_attention` call. Norms and the residual
+stream run in fp32 whatever the weight dtype; matmuls and attention run in the weight dtype (in
+bf16 this halves the teacher-forced disagreements with fp32 against a bf16 residual).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(self.weight.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -64,9 +65,9 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(
             q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale, self.sliding_window
         )
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1))
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1)).float()
         gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return hidden + self.down_proj(F.silu(gate) * up).float()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, kv, meta)
         if logit_indices is not None:

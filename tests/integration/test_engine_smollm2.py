@@ -1,0 +1,88 @@
+"""Acceptance of the engine on the default model: fp32 greedy equals transformers' greedy token for
+token in four scheduling regimes; bf16 tracks fp32; no blocks leak."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.params import SamplingParams
+from workers.models.loader import LoadedModel, load_model
+from workers.paged_step import prefill_logits
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are the support assistant of tollway, a multi-tenant LLM serving platform. Answer in "
+          "plain sentences, cite the relevant setting by its environment variable, and keep it short.")
+QUESTIONS = ["How do I create an API key?", "Why was my request rejected with 429?",
+             "What does the prefix cache do?", "Can batches be cancelled?", "Where are usage reports?"]
+MAX_TOKENS = 20
+REGIMES = {
+    "batched": EngineConfig(num_blocks=400),
+    "prefix-hits": EngineConfig(num_blocks=400),  # run twice: the second round is served from the cache
+    "chunked": EngineConfig(num_blocks=400, max_batch_tokens=48),
+    "preempting": EngineConfig(num_blocks=14),  # 14 x 16 tokens cannot hold five ~70-token sequences
+}
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm2_folder: Path) -> LoadedModel:
+    return load_model(smollm2_folder, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32: LoadedModel) -> list[list[int]]:
+    return [fp32.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2_folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    outputs = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+        outputs.append(out[: out.index(2)] if 2 in out else out)  # we do not emit the stop token (eos 2)
+    return outputs
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_greedy_equals_transformers(fp32, prompts, hf_greedy, regime: str) -> None:
+    engine = Engine(fp32, REGIMES[regime])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    rounds = 2 if regime == "prefix-hits" else 1
+    for _ in range(rounds):
+        seqs = engine.generate_batch(prompts, params)
+        assert [s.output_ids for s in seqs] == hf_greedy
+        engine.check_integrity()
+        assert engine.all_blocks_free_or_evictable()
+    if regime == "prefix-hits":
+        assert all(s.cached_len >= len(prompts[0]) // 2 for s in seqs)
+    if regime == "preempting":
+        assert sum(s.num_preemptions for s in seqs) > 0
+
+
+def shared_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_bf16_teacher_forced_agreement(fp32, smollm2_folder, prompts, hf_greedy) -> None:
+    """Next-token argmax of bf16 vs fp32 at every position of each prompt + its fp32 continuation.
+    The prompts share a system prompt; its positions are counted once, not once per prompt."""
+    bf16 = load_model(smollm2_folder, torch.bfloat16)
+    texts = [p + o for p, o in zip(prompts, hf_greedy, strict=True)]
+    agree = total = 0
+    for i, text in enumerate(texts):
+        counted_from = max((shared_prefix_len(text, t) for t in texts[:i]), default=0)
+        want = prefill_logits(fp32.model, [text])[0].argmax(-1)[counted_from:]
+        got = prefill_logits(bf16.model, [text])[0].argmax(-1)[counted_from:]
+        agree += int((want == got).sum())
+        total += len(want)
+    assert agree / total >= 0.98, f"bf16 agreed on {agree}/{total} next tokens"

@@ -1,0 +1,153 @@
+"""The engine on a tiny random-weight model: same tokens as plain generation in every scheduling
+regime, seeds independent of batch mates, no leaked blocks after any workload (aborts included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.params import SamplingParams
+from workers.engine.request import FinishReason, Priority
+from workers.generate import SamplingParams as PlainParams
+from workers.generate import generate
+from workers.models.loader import LoadedModel, load_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    from workers.models.tiny import write_tiny_model_folder
+
+    folder = write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3)
+    return load_model(folder, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 128, (40,), generator=gen).tolist()
+    return [system + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 1, 30)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    return [generate(tiny.model, [p], PlainParams(max_new_tokens=12))[0] for p in prompts]
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.all_blocks_free_or_evictable()
+    assert not engine.sequences and not engine.has_work()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(num_blocks=200),  # everything batched together
+        EngineConfig(num_blocks=200, max_batch_tokens=16),  # chunked prefill beside decodes
+        EngineConfig(num_blocks=12, block_size=8),  # preemption: 12 blocks cannot hold all four
+    ],
+    ids=["batched", "chunked", "preempting"],
+)
+def test_greedy_matches_plain_generation(tiny, prompts, expected, config: EngineConfig) -> None:
+    engine = Engine(tiny, config)
+    first = engine.generate_batch(prompts, GREEDY)
+    assert [s.output_ids for s in first] == expected
+    assert all(s.finish_reason is FinishReason.LENGTH for s in first)
+    assert_no_leaks(engine)
+    again = engine.generate_batch(prompts, GREEDY)  # second round hits the prefix cache
+    assert [s.output_ids for s in again] == expected
+    assert all(s.cached_len > 0 for s in again)
+    assert_no_leaks(engine)
+    if config.num_blocks == 12:
+        assert sum(s.num_preemptions for s in first + again) > 0
+
+
+def test_shared_prefix_is_computed_once_within_a_batch(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    seqs = engine.generate_batch(prompts, GREEDY)
+    # the first prompt computes the 40-token system prompt; the others wait one step and hit it
+    assert seqs[0].cached_len == 0
+    assert all(s.cached_len == 32 for s in seqs[1:])  # whole 16-token blocks of the 40 shared tokens
+
+
+def test_follow_up_turn_hits_prompt_and_output(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    [first] = engine.generate_batch([prompts[3]], GREEDY)
+    follow_up = first.prompt_ids + first.output_ids + [5, 6, 7]
+    [second] = engine.generate_batch([follow_up], GREEDY)
+    assert second.cached_len == (len(first.prompt_ids) + len(first.output_ids) - 1) // 16 * 16
+    assert second.cached_len > first.prompt_len  # part of the previous output came from the cache
+
+
+def test_seed_reproducible_whatever_the_batch(tiny, prompts) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = Engine(tiny, EngineConfig(num_blocks=200)).generate_batch([prompts[1]], params)[0].output_ids
+    mates = [SamplingParams(max_tokens=6, temperature=1.3, seed=i, ignore_eos=True) for i in range(3)]
+    crowd = Engine(tiny, EngineConfig(num_blocks=200, max_batch_tokens=24)).generate_batch(
+        [prompts[0], prompts[1], prompts[2], prompts[3]], [mates[0], params, mates[1], mates[2]])
+    assert crowd[1].output_ids == alone
+    other_seed = Engine(tiny, EngineConfig(num_blocks=200)).generate_batch(
+        [prompts[1]], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True))
+    assert other_seed[0].output_ids != alone
+
+
+def test_abort_mid_generation_frees_everything(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200, max_batch_tokens=16))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    deltas = engine.step() + engine.step()
+    final = engine.abort("r1")
+    assert final is not None and final.finish_reason == "abort"
+    assert final.usage is not None and final.usage["prompt_tokens"] == len(prompts[1])
+    assert engine.abort("r1") is None  # already gone
+    while engine.has_work():
+        deltas += engine.step()
+    finished = {d.request_id for d in deltas if d.finish_reason}
+    assert finished == {"r0", "r2", "r3"}
+    assert_no_leaks(engine)
+
+
+def test_stop_token_ends_the_sequence(tiny, prompts, expected) -> None:
+    stop_at = expected[0][4]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,), ignore_eos=True)
+    [seq] = Engine(tiny, EngineConfig(num_blocks=200)).generate_batch([prompts[0]], params)
+    assert seq.finish_reason is FinishReason.STOP
+    assert seq.output_ids == expected[0][: expected[0].index(stop_at)]
+
+
+def test_priority_and_aging_order_admission(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200, max_running=1, max_wait_s=3600))
+    engine.add_request("batch", prompts[0], GREEDY, priority=Priority.BATCH)
+    engine.add_request("interactive", prompts[1], GREEDY, priority=Priority.INTERACTIVE)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["interactive"]
+    aged = Engine(tiny, EngineConfig(num_blocks=200, max_running=1, max_wait_s=0.0))
+    aged.add_request("batch", prompts[0], GREEDY, priority=Priority.BATCH)
+    aged.add_request("interactive", prompts[1], GREEDY, priority=Priority.INTERACTIVE)
+    aged.step()  # both have waited past max_wait_s: arrival order decides
+    assert [s.request_id for s in aged.scheduler.running] == ["batch"]
+
+
+def test_a_prompt_too_big_for_the_cache_finishes_with_length(tiny) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=2, block_size=8))
+    [seq] = engine.generate_batch([list(range(3, 40))], GREEDY)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.output_ids == []
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([], "no tokens"), ([1, 10**6], "token ids"), (list(range(3, 100)) * 100, "context")],
+)
+def test_bad_requests_are_rejected(tiny, prompt, message: str, tmp_path: Path) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=50))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", prompt, GREEDY)
+    engine.add_request("dup", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", [5, 6], GREEDY)

@@ -1,0 +1,1 @@
+"""The engine: requests, continuous-batching scheduler over the prefix cache, runner, sampler."""

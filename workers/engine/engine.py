@@ -1,0 +1,187 @@
+"""The engine: one step = schedule, run the model, sample, detect stops, report deltas.
+
+Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.block_pool import BlockPool
+from cache.kv_storage import KVStorage
+from cache.radix_tree import RadixPrefixTree
+from workers.engine.detokenize import OutputText
+from workers.engine.params import SamplingParams
+from workers.engine.request import FinishReason, Priority, Sequence, Status
+from workers.engine.runner import ModelRunner
+from workers.engine.sampler import sample
+from workers.engine.scheduler import Scheduler
+from workers.models.loader import LoadedModel
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request; the last one carries finish_reason and usage."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_budget_bytes
+    kv_budget_bytes: int = 512 * 2**20
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    max_wait_s: float = 30.0
+    max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded
+        model = loaded.model
+        c = model.config
+        num_blocks = config.num_blocks or max(
+            1, config.kv_budget_bytes // KVStorage.bytes_per_block(
+                c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.tree = RadixPrefixTree(self.pool)
+        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size))
+        self.scheduler = Scheduler(self.pool, self.tree, config.max_batch_tokens, config.max_running,
+                                   config.max_wait_s)
+        self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.sequences: dict[str, Sequence] = {}
+        self._texts: dict[str, OutputText] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, namespace: str = "default",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> Sequence:
+        """Queue a request; ValueError (the caller's 4xx) for an unusable one."""
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        vocab = self.loaded.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported yet")
+        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.generator = torch.Generator(device=self.loaded.model.device).manual_seed(seed)
+        self.sequences[request_id] = seq
+        self._texts[request_id] = OutputText(self.loaded.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Delta | None:
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.finished:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._final_delta(seq, Delta(request_id))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        batch = self.scheduler.schedule()
+        deltas = [self._final_delta(s, Delta(s.request_id)) for s in self._take_scheduler_finished()]
+        if not batch.seqs:
+            return deltas
+        sampling, logits = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.computed_len += n
+            self.scheduler.commit_computed(seq)
+        if not sampling:
+            return deltas
+        result = sample(logits, sampling)
+        now = time.monotonic()
+        for row, seq in enumerate(sampling):
+            token = result.token_ids[row]
+            seq.output_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            delta = Delta(seq.request_id, [token])
+            if result.logprobs is not None and seq.params.logprobs is not None:
+                delta.logprobs = [result.logprobs[row]]
+                delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
+            deltas.append(self._advance(seq, delta))
+        return deltas
+
+    def _advance(self, seq: Sequence, delta: Delta) -> Delta:
+        """Text and stop conditions after a new token."""
+        token = seq.output_ids[-1]
+        text = self._texts[seq.request_id]
+        if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            seq.output_ids.pop()  # the stop token is not part of the completion
+            delta.token_ids = []
+            self.scheduler.finish(seq, FinishReason.STOP)
+            return self._final_delta(seq, delta)
+        delta.text, stopped = text.update(seq.output_ids)
+        if stopped:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            return self._final_delta(seq, delta, flush=False)
+        if seq.output_len >= seq.params.max_tokens or seq.total_len >= self.max_context:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            return self._final_delta(seq, delta)
+        return delta
+
+    def _final_delta(self, seq: Sequence, delta: Delta, flush: bool = True) -> Delta:
+        text = self._texts.pop(seq.request_id)
+        if flush:
+            delta.text += text.flush(seq.output_ids)
+        assert seq.finish_reason is not None
+        delta.finish_reason = seq.finish_reason.value
+        delta.usage = {"prompt_tokens": seq.prompt_len, "cached_tokens": seq.cached_len,
+                       "completion_tokens": seq.output_len}
+        del self.sequences[seq.request_id]
+        return delta
+
+    def _take_scheduler_finished(self) -> list[Sequence]:
+        done, self.scheduler.finished_by_scheduler = self.scheduler.finished_by_scheduler, []
+        return done
+
+    # -- offline --------------------------------------------------------------------------------
+    def generate_batch(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], namespace: str = "default",
+    ) -> list[Sequence]:
+        """Run prompts to completion together; returns their finished sequences in prompt order."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        seqs = [self.add_request(f"offline-{id(self)}-{i}", p, sp, namespace)
+                for i, (p, sp) in enumerate(zip(prompts, all_params, strict=True))]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
+        self.pool.check_integrity(self.scheduler.holders())
+        self.tree.check_integrity()
+
+    def all_blocks_free_or_evictable(self) -> bool:
+        return self.pool.num_free + self.pool.num_evictable == self.pool.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.scheduler.running if s.status is Status.RUNNING)

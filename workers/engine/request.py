@@ -1,0 +1,91 @@
+"""One sequence's state in the engine, with one vocabulary of lengths.
+
+Lengths (tokens): `prompt_len` of the prompt; `output_len` generated so far; `total_len` =
+prompt + output; `cached_len` served by the prefix cache at admission (whole blocks, never the
+last prompt token); `computed_len` whose K/V is in the sequence's blocks. Invariants:
+cached_len <= computed_len <= total_len, and a running sequence is decoding once
+computed_len == total_len - 1 (the newest token is the next input).
+
+Ownership: a running sequence owns one pool reference on each block of `block_table`
+(including the prefix-cache blocks it locked at admission); finishing or preemption gives them
+back through the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.block_table import BlockTable
+from workers.engine.params import SamplingParams
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 0  # scheduled before batch
+    BATCH = 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # stop token or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str = "default"  # set by the caller (the gateway: one per tenant), never by an end user
+    priority: Priority = Priority.INTERACTIVE
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = field(default_factory=lambda: next(_arrivals))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    cached_len: int = 0
+    computed_len: int = 0
+    committed_blocks: int = 0  # whole blocks already offered to the prefix tree
+    block_table: BlockTable | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    # prefix-match length found when last ordered in the waiting queue (a scheduling hint only)
+    match_hint: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.computed_len < self.total_len - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

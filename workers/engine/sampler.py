@@ -1,0 +1,113 @@
+"""Batched sampling: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+
+Every stage is a tensor op over the rows that need it; no Python loop touches the vocabulary.
+Draws use the exponential race (argmax of p / E with E ~ Exp(1)), with each row's noise from its
+own generator: a seeded request draws the same tokens whatever else is in the batch.
+Log-probabilities are those of the model (raw logits), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.request import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # of each chosen token, when any row asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per row, its top k (k = params.logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+    """In place. Repetition penalty over prompt + output (divide positive logits, multiply negative);
+    frequency / presence over the output, OpenAI style."""
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not rows:
+        return
+    device = logits.device
+    vocab = logits.shape[1]
+    for_rows = [seqs[i] for i in rows]
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    # token counts of each row's output, and a seen-anywhere mask for the repetition penalty
+    width = max(max(s.output_len for s in for_rows), 1)
+    outputs = torch.full((len(rows), width), vocab, dtype=torch.long, device=device)
+    for r, s in enumerate(for_rows):
+        if s.output_ids:
+            outputs[r, : s.output_len] = torch.tensor(s.output_ids, device=device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
+        1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
+    width = max(s.total_len for s in for_rows)
+    seen_ids = torch.full((len(rows), width), vocab, dtype=torch.long, device=device)
+    for r, s in enumerate(for_rows):
+        seen_ids[r, : s.total_len] = torch.tensor(s.all_ids, device=device)
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device).scatter_(
+        1, seen_ids, True)[:, :vocab]
+    rep = torch.tensor([s.params.repetition_penalty for s in for_rows], device=device)[:, None]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    freq = torch.tensor([s.params.frequency_penalty for s in for_rows], device=device)[:, None]
+    pres = torch.tensor([s.params.presence_penalty for s in for_rows], device=device)[:, None]
+    sub -= freq * counts + pres * (counts > 0).float()
+    logits[index] = sub
+
+
+def truncate(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k, top-p nucleus and min-p floor, in that order."""
+    device = logits.device
+    vocab = logits.shape[1]
+    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens; the first always stays
+    sorted_logits = sorted_logits.masked_fill(before > top_p[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def exponential_noise(seqs: Seq[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    noise = torch.empty(len(seqs), vocab, device=device)
+    for row, s in enumerate(seqs):
+        noise[row].exponential_(generator=s.generator)  # one call per row, over the whole vocabulary
+    return noise
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
+    """Next token for each row of fp32 logits [B, V] (not modified), one row per sequence."""
+    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    work = logits.clone()
+    apply_penalties(work, seqs)
+    chosen = work.argmax(dim=-1)
+    sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, device=logits.device)
+        sub_seqs = [seqs[i] for i in sampled_rows]
+        temperature = torch.tensor([s.params.temperature for s in sub_seqs], device=logits.device)[:, None]
+        sub = work[index] / temperature
+        if any(s.params.truncates for s in sub_seqs):
+            sub = truncate(sub, sub_seqs)
+        probs = sub.softmax(dim=-1)
+        noise = exponential_noise(sub_seqs, logits.shape[1], logits.device)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+    result = SampleResult(chosen.tolist())
+    if raw_logprobs is not None:
+        result.logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(s.params.logprobs or 0 for s in seqs)
+        top_values, top_ids = raw_logprobs.topk(max(k, 1), dim=-1)
+        result.top_logprobs = [
+            list(zip(top_ids[r, : s.params.logprobs or 0].tolist(), top_values[r, : s.params.logprobs or 0].tolist(),
+                     strict=True))
+            for r, s in enumerate(seqs)
+        ]
+    return result

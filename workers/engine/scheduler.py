@@ -1,0 +1,189 @@
+"""Continuous batching over the prefix cache: which sequences run which tokens in the next step.
+
+Each step has a token budget. Running sequences come first: decodes (one token each), then
+unfinished prefills in chunks. Waiting sequences are admitted in order of priority (interactive
+before batch), then longest cached prefix, then arrival; a sequence that has waited longer than
+`max_wait_s` goes ahead of every non-aged one (aging: no request waits without bound). Admission
+matches the prompt in the radix tree, locks the matched path and allocates blocks only for the
+rest.
+
+When blocks run out, the newest running sequence is preempted by recompute: its computed whole
+blocks go into the prefix tree (so recomputing mostly hits the cache), its blocks are released,
+and it waits again with its output kept. A sequence that cannot fit even alone finishes with
+`length`. Finished and aborted sequences insert prompt + output into the tree, then release.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from cache.radix_tree import RadixPrefixTree
+from workers.engine.request import FinishReason, Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # one-token sequences first
+    num_new: list[int] = field(default_factory=list)  # tokens each runs this step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(num_new)
+        self.block_copies.extend(copies)
+
+    def ordered(self) -> ScheduledBatch:
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_new[i] != 1)
+        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order], self.block_copies)
+
+
+class Scheduler:
+    def __init__(
+        self, pool: BlockPool, tree: RadixPrefixTree, max_batch_tokens: int = 512, max_running: int = 64,
+        max_wait_s: float = 30.0,
+    ) -> None:
+        self.pool, self.tree = pool, tree
+        self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.finished_by_scheduler: list[Sequence] = []  # finished here (could never fit); the engine reports them
+
+    # -- queue ----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admission_order(self, now: float) -> list[Sequence]:
+        for seq in self.waiting:
+            seq.match_hint = self.tree.peek(seq.namespace, seq.all_ids)
+
+        def key(seq: Sequence) -> tuple:
+            if now - seq.arrival_time > self.max_wait_s:  # aged: first come, first served
+                return (0, seq.arrival_order)
+            return (1, seq.priority, -seq.match_hint, seq.arrival_order)
+
+        return sorted(self.waiting, key=key)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival_order):  # oldest keep their blocks
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.total_len - seq.computed_len, budget)
+            copies = self._grow(seq, num_new)
+            if copies is None:
+                continue  # seq itself was preempted or finished
+            batch.add(seq, num_new, copies)
+            budget -= num_new
+        now = time.monotonic()
+        # Next uncached block of each sequence admitted this step: a waiting sequence whose next
+        # block is the same would compute that prefix twice, so it waits one step and then hits
+        # the blocks the first one committed.
+        in_flight: set[tuple[str, tuple[int, ...]]] = set()
+        for seq in self._admission_order(now):
+            if budget == 0 or len(self.running) >= self.max_running:
+                break
+            next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + self.pool.block_size]))
+            if next_block in in_flight:
+                continue
+            in_flight.add(next_block)
+            admitted = self._admit(seq, budget, batch)
+            if admitted is None:
+                break  # head of line keeps its place: no smaller request jumps it for blocks
+            budget -= admitted
+        return batch.ordered()
+
+    def _grow(self, seq: Sequence, num_new: int) -> list[tuple[int, int]] | None:
+        """Blocks for num_new more tokens, preempting newer sequences if needed; None if seq lost its place."""
+        table = seq.block_table
+        assert table is not None
+        while not self.pool.can_allocate(table.blocks_needed(num_new)):
+            victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival_order)
+            if victim is seq and len(self.running) == 1:
+                self.finish(seq, FinishReason.LENGTH)  # cannot fit even alone
+                self.finished_by_scheduler.append(seq)
+                return None
+            self.preempt(victim)
+            if victim is seq:
+                return None
+        return table.append(num_new)
+
+    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
+        """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
+        match = self.tree.match(seq.namespace, seq.all_ids)
+        self.tree.lock(match.handle)
+        table = BlockTable(self.pool, match.block_ids, match.cached_len)
+        num_new = min(seq.total_len - match.cached_len, budget)
+        if not self.pool.can_allocate(table.blocks_needed(num_new)):
+            table.release()
+            if not self.running:  # nothing will ever free blocks for it
+                self.waiting.remove(seq)
+                self.finish(seq, FinishReason.LENGTH)
+                self.finished_by_scheduler.append(seq)
+                return 0  # keep admitting others
+            return None
+        seq.block_table = table
+        seq.cached_len = seq.computed_len = match.cached_len
+        seq.committed_blocks = match.cached_len // self.pool.block_size
+        seq.status = Status.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        batch.add(seq, num_new, table.append(num_new))
+        return num_new
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed whole blocks to the tree right away, so that
+        requests sharing its prefix hit them while it is still running (the tree adds its own
+        references; full blocks are never written again)."""
+        table = seq.block_table
+        full_blocks = seq.computed_len // self.pool.block_size
+        if table is None or full_blocks <= seq.committed_blocks:
+            return
+        self.tree.insert(seq.namespace, seq.all_ids[: full_blocks * self.pool.block_size], table.block_ids)
+        seq.committed_blocks = full_blocks
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def _cache_and_release(self, seq: Sequence) -> None:
+        """Put the sequence's computed whole blocks into the tree, then give back its references."""
+        table = seq.block_table
+        if table is None:
+            return
+        self.tree.insert(seq.namespace, seq.all_ids[: seq.computed_len], table.block_ids)
+        table.release()
+        seq.block_table = None
+
+    def preempt(self, seq: Sequence) -> None:
+        self._cache_and_release(seq)
+        self.running.remove(seq)
+        seq.computed_len = seq.cached_len = seq.committed_blocks = 0
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._cache_and_release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def holders(self) -> dict[int, int]:
+        """block id -> number of running sequences holding it (for the pool's integrity check)."""
+        counts: dict[int, int] = {}
+        for seq in self.running:
+            for block in seq.block_table.block_ids if seq.block_table else []:
+                counts[block] = counts.get(block, 0) + 1
+        return counts
