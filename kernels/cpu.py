@@ -13,11 +13,13 @@ in `PagedAttentionMetadata.prepared` for the others (see `prepare_decode`, `prep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_cascade import cascade_decode, plan_cascade
+from kernels.cpu_common import GatherBuffers, per_sequence, visibility_mask
 from kernels.metadata import PagedAttentionMetadata
 
 
@@ -29,38 +31,12 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
-def visibility_mask(
-    key_positions: torch.Tensor, query_positions: torch.Tensor, key_count: torch.Tensor | int,
-    sliding_window: int | None, dtype: torch.dtype,
-) -> torch.Tensor:
-    """Additive mask (0 = attend, -inf = hidden), broadcast over [..., queries, keys]."""
-    visible = (key_positions <= query_positions) & (key_positions < key_count)
-    if sliding_window is not None:
-        visible &= key_positions > query_positions - sliding_window
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
 @dataclass
 class DecodePlan:
     block_index: torch.Tensor  # [B * blocks_per_seq] int64, block ids in sequence order
     blocks_per_seq: int
     mask: torch.Tensor | None  # [B, 1, 1, L] additive; None when every sequence fills all L keys
-    # Gather targets reused by every layer of the step: a fresh multi-MB tensor per layer costs
-    # page faults that can take longer than the copy itself.
-    key_buffer: torch.Tensor | None = None
-    value_buffer: torch.Tensor | None = None
-
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every sequence as [B, Hkv, L, D] views of the buffers."""
-        if self.key_buffer is None or self.key_buffer.dtype != k_cache.dtype:
-            shape = (self.block_index.shape[0], *k_cache.shape[1:])
-            self.key_buffer = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-            self.value_buffer = torch.empty_like(self.key_buffer)
-        torch.index_select(k_cache, 0, self.block_index, out=self.key_buffer)
-        torch.index_select(v_cache, 0, self.block_index, out=self.value_buffer)
-        keys = self.key_buffer.view(num_seqs, -1, *k_cache.shape[2:]).transpose(1, 2)
-        values = self.value_buffer.view(num_seqs, -1, *v_cache.shape[2:]).transpose(1, 2)
-        return keys, values
+    buffers: GatherBuffers = field(default_factory=GatherBuffers)
 
 
 def prepare_decode(
@@ -95,7 +71,8 @@ def decode_attention(
         plan = prepare_decode(block_tables, context_lens, k_cache.shape[1], q.dtype, sliding_window)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys, values = plan.gather(k_cache, v_cache, batch)  # [B, Hkv, L, D]
+    keys, values = plan.buffers.gather(k_cache, v_cache, plan.block_index)
+    keys, values = per_sequence(keys, batch), per_sequence(values, batch)  # [B, Hkv, L, D]
     grouped = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
@@ -170,6 +147,14 @@ def decode_step(
     sliding_window: int | None,
 ) -> torch.Tensor:
     d = meta.num_decodes
+    if sliding_window is None:  # a window would cut into the shared prefix: plain path then
+        cascade_key = ("cpu-cascade", q.dtype)
+        if cascade_key not in meta.prepared:
+            meta.prepared[cascade_key] = plan_cascade(
+                meta.block_tables_list[:d], meta.context_lens_list[:d], meta.block_size, q.dtype, q.device)
+        cascade = meta.prepared[cascade_key]
+        if cascade is not None:
+            return cascade_decode(q, k_cache, v_cache, cascade, scale)
     key = ("cpu-decode", q.dtype, sliding_window)
     plan = meta.prepared.get(key)
     if plan is None:

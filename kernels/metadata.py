@@ -29,6 +29,7 @@ class PagedAttentionMetadata:
     num_decodes: int
     query_lens_list: list[int]
     context_lens_list: list[int]
+    block_tables_list: list[list[int]]
     # Per-step preparations of a backend (gather indices, masks), keyed by backend and dtype and
     # made by the first layer that needs them; owned by the backend that wrote them.
     prepared: dict[object, object] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class PagedAttentionMetadata:
             num_decodes=num_decodes,
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
+            block_tables_list=[list(t) for t in block_tables],
         )
 
     def extend_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

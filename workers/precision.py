@@ -13,7 +13,11 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 @cache
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU advertises AVX512-BF16 or AMX-BF16 (bf16 matmuls run ~6x faster there)."""
+    """True when the CPU advertises AMX-BF16 (tile matmuls: bf16 runs several times faster than fp32).
+
+    AVX512-BF16 alone is not enough: on such a host (no AMX exposed) we measured bf16 linear
+    layers at 117-145 GFLOP/s against fp32's 110-235 (2 threads, M = 32-512), so fp32 is the
+    faster choice there."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -21,7 +25,7 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
+            return "amx_bf16" in flags
     return False
 
 

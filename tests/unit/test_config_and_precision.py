@@ -54,7 +54,9 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8")
     fake = tmp_path / "cpuinfo"
-    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")
+    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is True
+    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")  # no AMX: bf16 is not faster
+    assert cpu_has_native_bf16.__wrapped__(fake) is False
     fake.write_text("flags\t\t: fpu sse avx2\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is False

@@ -178,3 +178,32 @@ def test_metadata_positions_and_slots() -> None:
         PagedAttentionMetadata.build([1], [5], [[0]], block_size=4)
     with pytest.raises(ValueError, match="power of two"):
         PagedAttentionMetadata.build([1], [1], [[0]], block_size=12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_cascade_decode_over_shared_prefixes_matches_reference(dtype, group: int) -> None:
+    """Rows 0-2 share three blocks (row 2 only two before its newest token), rows 3-4 share one,
+    row 5 shares nothing: the CPU decode reads each shared run once and merges exactly."""
+    from kernels.cpu_cascade import plan_cascade
+
+    torch.manual_seed(7)
+    bs, head_dim = 16, 64
+    tables = [[0, 1, 2, 3], [0, 1, 2, 4, 5], [0, 1, 2], [6, 7, 8], [6, 9], [10, 11]]
+    lengths = [60, 70, 40, 40, 20, 30]
+    meta = PagedAttentionMetadata.build([1] * 6, lengths, tables, bs)
+    shape = (12, bs, NUM_KV_HEADS, head_dim)
+    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    q = torch.randn(6, NUM_KV_HEADS * group, head_dim).to(dtype)
+    plan = plan_cascade(tables, lengths, bs, dtype, q.device)
+    assert plan is not None and plan.num_groups == 2 and plan.max_members == 3
+    expected = reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125)
+    got = cpu.decode_step(q, k_cache, v_cache, meta, 0.125, None)
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def test_no_shared_blocks_means_no_cascade_plan() -> None:
+    from kernels.cpu_cascade import plan_cascade
+
+    assert plan_cascade([[0, 1], [2, 3]], [20, 30], 16, torch.float32, torch.device("cpu")) is None
+    assert plan_cascade([[0, 1], [0, 3]], [10, 30], 16, torch.float32, torch.device("cpu")) is None  # row 0 in block 0

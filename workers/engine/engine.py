@@ -179,6 +179,18 @@ class Engine:
         self.pool.check_integrity(self.scheduler.holders())
         self.tree.check_integrity()
 
+    def kv_utilization(self) -> tuple[int, int]:
+        """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""
+        filled: dict[int, int] = {}
+        bs = self.pool.block_size
+        for seq in self.scheduler.running:
+            if seq.block_table is None:
+                continue
+            for i, block in enumerate(seq.block_table.block_ids):
+                in_block = min(max(seq.computed_len - i * bs, 0), bs)
+                filled[block] = max(filled.get(block, 0), in_block)
+        return sum(filled.values()), len(filled) * bs
+
     def all_blocks_free_or_evictable(self) -> bool:
         return self.pool.num_free + self.pool.num_evictable == self.pool.num_blocks
 
