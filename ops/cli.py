@@ -66,6 +66,22 @@ def generate(
     click.echo(text)
 
 
+@cli.command()
+@click.option("--model", default=None, help="Built-in name or local folder [default: TOLLWAY_MODEL].")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
+              help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
+def worker(model: str | None, host: str, port: int, dtype: str | None) -> None:
+    """Run one engine worker: the internal generate/info API the gateway routes to."""
+    from ops.worker import run_worker
+    from workers.settings import WorkerSettings
+
+    settings = WorkerSettings()
+    run_worker(settings, model=model or settings.model, dtype=dtype or settings.dtype, host=host, port=port,
+               console=stderr)
+
+
 @cli.group()
 def tenants() -> None:
     """Manage tenants. (not built yet)"""

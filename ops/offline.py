@@ -8,9 +8,10 @@ import click
 import torch
 from rich.console import Console
 
-from workers.generate import SamplingParams, generate
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.params import SamplingParams
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
-from workers.models.loader import load_model
+from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import ChatTemplateError
 from workers.precision import resolve_dtype
 from workers.settings import WorkerSettings
@@ -18,6 +19,27 @@ from workers.settings import WorkerSettings
 
 def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
+
+
+def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
+    """Resolve (converting once if needed) and load a model, with progress on the console."""
+    set_threads(settings.num_threads)
+    try:
+        with console.status(f"Loading {model}…"):
+            folder = resolve_model_folder(
+                model,
+                settings.home,
+                on_convert=lambda name: console.print(
+                    f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
+                ),
+            )
+            return load_model(folder, resolve_dtype(dtype))
+    except (ModelNotFoundError, ModelFolderError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def engine_config(settings: WorkerSettings) -> EngineConfig:
+    return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens)
 
 
 def run_generate(
@@ -33,30 +55,18 @@ def run_generate(
     console: Console,
 ) -> str:
     """The completion text (special tokens skipped, surrounding whitespace stripped)."""
-    set_threads(settings.num_threads)
+    loaded = load_named_model(settings, model, dtype, console)
+    tokenizer = loaded.tokenizer
     try:
-        with console.status(f"Loading {model}…"):
-            folder = resolve_model_folder(
-                model,
-                settings.home,
-                on_convert=lambda name: console.print(
-                    f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
-                ),
-            )
-            loaded = load_model(folder, resolve_dtype(dtype))
-        tokenizer = loaded.tokenizer
-        if chat:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        else:
-            prompt_ids = tokenizer.encode(prompt)
-        max_len = loaded.model.config.max_position_embeddings
-        if len(prompt_ids) + max_tokens > max_len:
-            raise click.UsageError(
-                f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "
-                f"model's context of {max_len} tokens"
-            )
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-        [completion] = generate(loaded.model, [prompt_ids], params, loaded.eos_token_ids)
-    except (ModelNotFoundError, ModelFolderError, ChatTemplateError) as exc:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    except ChatTemplateError as exc:
         raise click.ClickException(str(exc)) from exc
-    return tokenizer.decode(completion, skip_special_tokens=True).strip()
+    engine = Engine(loaded, engine_config(settings), name=model)
+    if len(prompt_ids) + max_tokens > engine.max_context:
+        raise click.UsageError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "
+            f"model's context of {engine.max_context} tokens"
+        )
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    [seq] = engine.generate_batch([prompt_ids], params)
+    return tokenizer.decode(seq.output_ids, skip_special_tokens=True).strip()

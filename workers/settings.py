@@ -16,6 +16,10 @@ class WorkerSettings(BaseSettings):
     model: str = "smollm2-135m-instruct"
     """Built-in model name or path to a local Hugging Face folder."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AVX512-BF16/AMX, else fp32."""
+    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AMX-BF16, else fp32."""
     num_threads: int = 0
     """Torch CPU threads; 0 uses every core."""
+    kv_cache_mb: int = 2048
+    """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
+    max_batch_tokens: int = 1024
+    """Token budget of one engine step (prefill chunks + decodes)."""

@@ -31,6 +31,8 @@ from workers.models.assets import resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.precision import resolve_dtype
 
+KV_BUDGET = 2 * 2**30  # the engine's default: room for every sequence of the workloads at once
+
 
 @dataclass
 class Result:
@@ -67,7 +69,7 @@ def workload(shared: bool, groups: int, per_group: int, system: int, question: i
 
 
 def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name: str) -> Result:
-    engine = Engine(loaded, EngineConfig(max_batch_tokens=1024))
+    engine = Engine(loaded, EngineConfig(max_batch_tokens=1024, kv_budget_bytes=KV_BUDGET))
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
@@ -115,7 +117,7 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output: int) -> Resul
 
 def cached_vs_cold_ttft(loaded: LoadedModel, system: int, question: int) -> tuple[float, float]:
     prompts = workload(True, 1, 3, system, question, seed=7)
-    engine = Engine(loaded, EngineConfig(max_batch_tokens=1024))
+    engine = Engine(loaded, EngineConfig(max_batch_tokens=1024, kv_budget_bytes=KV_BUDGET))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ttfts = []
     for i, prompt in enumerate(prompts):  # one at a time: the first is cold, the others hit its system prompt
@@ -129,14 +131,15 @@ def cached_vs_cold_ttft(loaded: LoadedModel, system: int, question: int) -> tupl
 def decode_step_vs_roofline(loaded: LoadedModel, batch: int, context: int, repeats: int = 10) -> tuple[float, float]:
     """Median engine decode step with `batch` sequences at ~`context` tokens, and the best time of
     the same step's matmuls alone (every layer's four projections + the LM head on [batch, hidden])."""
-    engine = Engine(loaded, EngineConfig(max_batch_tokens=4096))
-    params = SamplingParams(max_tokens=repeats + 2, temperature=0.0, ignore_eos=True)
+    engine = Engine(loaded, EngineConfig(max_batch_tokens=batch * (context + 1), kv_budget_bytes=KV_BUDGET))
+    params = SamplingParams(max_tokens=repeats + 4, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(workload(False, batch, 1, context, 0, seed=11)):
         engine.add_request(f"d{i}", p, params)
     while any(s.is_prefilling or s.output_len == 0 for s in engine.sequences.values()):
         engine.step()
     times = []
-    while engine.has_work() and len(times) < repeats:
+    while len(times) < repeats:
+        assert engine.num_running == batch, "every sequence must decode in each measured step"
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)

@@ -41,7 +41,7 @@ class Delta:
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_budget_bytes
-    kv_budget_bytes: int = 512 * 2**20
+    kv_budget_bytes: int = 2 * 2**30
     max_batch_tokens: int = 512
     max_running: int = 64
     max_wait_s: float = 30.0
@@ -49,9 +49,10 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, name: str | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.loaded = loaded
+        self.name = name or loaded.folder.name
         model = loaded.model
         c = model.config
         num_blocks = config.num_blocks or max(
@@ -65,6 +66,7 @@ class Engine:
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
+        self.finished_counts: dict[str, int] = {}  # by finish reason, since start
         self._texts: dict[str, OutputText] = {}
 
     # -- requests -------------------------------------------------------------------------------
@@ -75,6 +77,17 @@ class Engine:
         """Queue a request; ValueError (the caller's 4xx) for an unusable one."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.validate_request(prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.generator = torch.Generator(device=self.loaded.model.device).manual_seed(seed)
+        self.sequences[request_id] = seq
+        self._texts[request_id] = OutputText(self.loaded.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_request(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """ValueError for a request this engine cannot serve (reads only immutable state: thread-safe)."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         vocab = self.loaded.model.config.vocab_size
@@ -84,13 +97,6 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
         if params.n != 1:
             raise ValueError("n > 1 is not supported yet")
-        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority)
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq.generator = torch.Generator(device=self.loaded.model.device).manual_seed(seed)
-        self.sequences[request_id] = seq
-        self._texts[request_id] = OutputText(self.loaded.tokenizer, params.stop)
-        self.scheduler.add(seq)
-        return seq
 
     def abort(self, request_id: str) -> Delta | None:
         seq = self.sequences.get(request_id)
@@ -152,6 +158,7 @@ class Engine:
             delta.text += text.flush(seq.output_ids)
         assert seq.finish_reason is not None
         delta.finish_reason = seq.finish_reason.value
+        self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
         delta.usage = {"prompt_tokens": seq.prompt_len, "cached_tokens": seq.cached_len,
                        "completion_tokens": seq.output_len}
         del self.sequences[seq.request_id]
@@ -190,6 +197,22 @@ class Engine:
                 in_block = min(max(seq.computed_len - i * bs, 0), bs)
                 filled[block] = max(filled.get(block, 0), in_block)
         return sum(filled.values()), len(filled) * bs
+
+    def info(self) -> dict[str, object]:
+        held, capacity = self.kv_utilization()
+        return {
+            "model": self.name,
+            "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
+            "context_length": self.max_context,
+            "block_size": self.pool.block_size,
+            "blocks": {"total": self.pool.num_blocks, "free": self.pool.num_free, "used": self.pool.num_used,
+                       "evictable": self.pool.num_evictable},
+            "kv_utilization": held / capacity if capacity else None,
+            "cache": {ns: vars(stats).copy() for ns, stats in self.tree.stats.items()},
+            "finished": dict(self.finished_counts),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
 
     def all_blocks_free_or_evictable(self) -> bool:
         return self.pool.num_free + self.pool.num_evictable == self.pool.num_blocks

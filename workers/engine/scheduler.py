@@ -88,14 +88,18 @@ class Scheduler:
             batch.add(seq, num_new, copies)
             budget -= num_new
         now = time.monotonic()
-        # Next uncached block of each sequence admitted this step: a waiting sequence whose next
-        # block is the same would compute that prefix twice, so it waits one step and then hits
-        # the blocks the first one committed.
-        in_flight: set[tuple[str, tuple[int, ...]]] = set()
+        # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
+        # block is the same would compute that prefix twice, so it waits and then hits the blocks
+        # the first one commits.
+        bs = self.pool.block_size
+        in_flight = {  # running prefills count too: their next block is committed after this step
+            (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
+            for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
+        }
         for seq in self._admission_order(now):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
-            next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + self.pool.block_size]))
+            next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + bs]))
             if next_block in in_flight:
                 continue
             in_flight.add(next_block)

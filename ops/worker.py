@@ -1,0 +1,25 @@
+"""`tollway worker`: one engine worker serving the internal HTTP API (workers/server.py)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from rich.console import Console
+
+from ops.offline import engine_config, load_named_model
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine
+from workers.server import create_worker_app
+from workers.settings import WorkerSettings
+
+
+def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console) -> None:
+    loaded = load_named_model(settings, model, dtype, console)
+    engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model))
+    info = engine.info()
+    console.print(f"worker: {model} ({info['dtype']}), {info['blocks']['total']} KV blocks of {info['block_size']} "
+                  f"tokens, on http://{host}:{port}")
+    try:
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
+        web.run_app(create_worker_app(engine), host=host, port=port, print=None, handler_cancellation=True)
+    finally:
+        engine.shutdown()

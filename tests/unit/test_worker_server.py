@@ -1,0 +1,109 @@
+"""The worker's internal HTTP API over a real aiohttp server, on a tiny random-weight model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import torch
+
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.params import SamplingParams
+from workers.models.loader import LoadedModel, load_model
+from workers.server import create_worker_app
+
+PROMPT = list(range(5, 45))
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    from workers.models.tiny import write_tiny_model_folder
+
+    return load_model(write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3), torch.float32)
+
+
+@pytest_asyncio.fixture
+async def worker(tiny: LoadedModel, aiohttp_client):
+    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
+    client = await aiohttp_client(create_worker_app(engine))
+    yield client, engine
+    engine.shutdown()
+
+
+def body(request_id: str = "r1", **sampling) -> dict:
+    sampling = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **sampling}
+    return {"request_id": request_id, "namespace": "tenant-a", "prompt_token_ids": PROMPT, "sampling": sampling}
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> list[dict]:
+    return [json.loads(line) for line in (await response.text()).splitlines()]
+
+
+async def test_generate_streams_deltas_then_usage(worker, tiny) -> None:
+    client, _ = worker
+    expected = Engine(tiny, EngineConfig(num_blocks=64, block_size=8)).generate_batch(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].output_ids
+    response = await client.post("/internal/generate", json=body())
+    assert response.status == 200 and response.content_type == "application/x-ndjson"
+    lines = await read_stream(response)
+    assert [t for line in lines for t in line["token_ids"]] == expected
+    assert [line["finish_reason"] for line in lines] == [None] * (len(lines) - 1) + ["length"]
+    assert lines[-1]["usage"] == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 8}
+    again = await read_stream(await client.post("/internal/generate", json=body("r2")))
+    assert again[-1]["usage"]["cached_tokens"] == 32  # whole 8-token blocks of the 40-token prompt, minus the last
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("not json", "not valid JSON"),
+        ({"namespace": "a", "prompt_token_ids": [1]}, "request_id"),
+        ({**body(), "prompt_token_ids": "hello"}, "prompt_token_ids"),
+        ({**body(), "prompt_token_ids": []}, "no tokens"),
+        ({**body(), "prompt_token_ids": [1, 10**9]}, "token ids"),
+        ({**body(), "priority": "urgent"}, "priority"),
+        (body(top_p=0), "top_p"),
+        (body(colour="blue"), "unknown sampling fields"),
+        (body(max_tokens="many"), "must be a number"),
+    ],
+)
+async def test_bad_input_is_a_400_with_a_message(worker, payload, message: str) -> None:
+    client, _ = worker
+    kwargs = {"data": payload} if isinstance(payload, str) else {"json": payload}
+    response = await client.post("/internal/generate", **kwargs)
+    assert response.status == 400
+    assert message in (await response.json())["error"]["message"]
+
+
+async def test_closed_connection_aborts_and_frees_blocks(worker) -> None:
+    client, engine = worker
+    response = await client.post("/internal/generate", json=body(max_tokens=10_000))
+    first = json.loads(await response.content.readline())
+    assert first["finish_reason"] is None
+    response.close()  # the gateway hung up
+    for _ in range(200):
+        info = engine.info()
+        if info["finished"]:
+            break
+        await asyncio.sleep(0.05)
+    info = engine.info()
+    assert info["running"] == 0 and info["finished"] == {"abort": 1}  # aborted, not run out
+    blocks = info["blocks"]
+    assert blocks["free"] + blocks["evictable"] == blocks["total"]
+
+
+async def test_info_health_and_metrics(worker) -> None:
+    client, _ = worker
+    await read_stream(await client.post("/internal/generate", json=body()))
+    info = await (await client.get("/internal/info")).json()
+    assert info["model"] == "tiny" and info["block_size"] == 8 and info["blocks"]["total"] == 64
+    assert info["cache"]["tenant-a"]["miss_tokens"] >= len(PROMPT)
+    assert (await (await client.get("/healthz")).json()) == {"status": "ok"}
+    metrics = await (await client.get("/metrics")).text()
+    assert "tollway_worker_completion_tokens_total 8.0" in metrics
+    assert 'tollway_worker_kv_blocks{state="total"} 64.0' in metrics

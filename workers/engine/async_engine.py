@@ -1,0 +1,105 @@
+"""Drives an Engine from one background thread for asyncio callers.
+
+Ownership: only the engine thread touches the Engine. Callers hand it commands (add, abort)
+through a queue; it applies them between steps and posts each delta to the caller's asyncio queue
+on the caller's loop. Requests are validated on the caller's side first, so a bad request fails
+at once with ValueError. Leaving `generate` early (cancellation, a closed connection) aborts the
+request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.engine import Delta, Engine
+from workers.engine.params import SamplingParams
+from workers.engine.request import Priority
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue[Delta]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._info: dict[str, Any] = engine.info()
+        self._thread = threading.Thread(target=self._run, name="tollway-engine", daemon=True)
+        self._thread.start()
+
+    # -- callers' side ----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "default",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> AsyncIterator[Delta]:
+        self.engine.validate_request(prompt_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, prompt_ids, params, namespace, priority)))
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.deltas.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def info(self) -> dict[str, Any]:
+        """The engine's state as of its last step."""
+        return dict(self._info)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    # -- engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            block = not self.engine.has_work()
+            try:
+                while True:
+                    self._apply(*self._commands.get(block=block, timeout=0.5 if block else None))
+                    block = False
+            except queue.Empty:
+                pass
+            deltas = self.engine.step() if self.engine.has_work() else []
+            self._info = self.engine.info()  # before delivering: a caller that saw its last delta sees it gone
+            for delta in deltas:
+                self._deliver(delta)
+
+    def _apply(self, command: str, payload: Any) -> None:
+        if command == "add":
+            request_id = payload[0]
+            try:
+                self.engine.add_request(*payload)
+            except ValueError:  # validated already; reaching here means a race on the same id
+                self._deliver(Delta(request_id, finish_reason="abort"))
+        elif command == "abort":
+            self.engine.abort(payload)
+            with self._streams_lock:
+                self._streams.pop(payload, None)  # nobody listens any more
+
+    def _deliver(self, delta: Delta) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None and delta.finish_reason is not None:
+                del self._streams[delta.request_id]
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)

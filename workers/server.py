@@ -1,0 +1,166 @@
+"""The worker's internal HTTP API for the gateway (aiohttp).
+
+POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority}
+                         -> NDJSON deltas {token_ids, text, finish_reason[, logprobs]}; the last
+                         line adds usage {prompt_tokens, cached_tokens, completion_tokens}.
+                         A closed connection aborts the request.
+GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
+GET  /healthz            liveness
+GET  /metrics            Prometheus text format
+Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.params import SamplingParams
+from workers.engine.request import Priority
+
+ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+METRICS_KEY = web.AppKey("metrics", dict)
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+TUPLE_FIELDS = {"stop", "stop_token_ids"}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling must be an object")
+    unknown = set(raw) - SAMPLING_FIELDS
+    if unknown:
+        raise BadRequest(f"unknown sampling fields: {', '.join(sorted(unknown))}")
+    values = dict(raw)
+    for name in TUPLE_FIELDS & set(values):
+        if isinstance(values[name], str):
+            values[name] = [values[name]]
+        if not isinstance(values[name], list):
+            raise BadRequest(f"sampling.{name} must be a list")
+        values[name] = tuple(values[name])
+    for name, value in values.items():
+        if name not in TUPLE_FIELDS and value is not None and not isinstance(value, int | float):
+            raise BadRequest(f"sampling.{name} must be a number")
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from exc
+
+
+def parse_generate(body: Any) -> tuple[str, str, list[int], SamplingParams, Priority]:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    request_id, namespace = body.get("request_id"), body.get("namespace", "default")
+    if not isinstance(request_id, str) or not request_id:
+        raise BadRequest("request_id must be a non-empty string")
+    if not isinstance(namespace, str) or not namespace:
+        raise BadRequest("namespace must be a non-empty string")
+    prompt = body.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise BadRequest("prompt_token_ids must be a list of integers")
+    try:
+        priority = Priority[str(body.get("priority", "interactive")).upper()]
+    except KeyError as exc:
+        raise BadRequest("priority must be 'interactive' or 'batch'") from exc
+    return request_id, namespace, prompt, parse_sampling(body.get("sampling")), priority
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=orjson.loads)
+    except (orjson.JSONDecodeError, UnicodeDecodeError):
+        return error(400, "the body is not valid JSON")
+    try:
+        request_id, namespace, prompt, params, priority = parse_generate(body)
+        stream = request.app[ENGINE_KEY].generate(request_id, prompt, params, namespace, priority)
+        first = await anext(stream)  # validation errors surface here, before any byte is sent
+    except ValueError as exc:
+        return error(400, str(exc))
+    metrics = request.app[METRICS_KEY]
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    delta = first
+    try:
+        while True:
+            line = {"token_ids": delta.token_ids, "text": delta.text, "finish_reason": delta.finish_reason}
+            if delta.logprobs is not None:
+                line["logprobs"] = delta.logprobs
+                line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
+            if delta.usage is not None:
+                line["usage"] = delta.usage
+                metrics["prompt_tokens"].inc(delta.usage["prompt_tokens"])
+                metrics["cached_tokens"].inc(delta.usage["cached_tokens"])
+                metrics["completion_tokens"].inc(delta.usage["completion_tokens"])
+                metrics["finished"].labels(reason=delta.finish_reason).inc()
+            await response.write(orjson.dumps(line) + b"\n")
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(stream)
+    except ConnectionResetError:  # the caller hung up: nothing more to send
+        return response
+    finally:
+        await stream.aclose()  # on a closed connection this aborts the request
+    await response.write_eof()
+    return response
+
+
+async def info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE_KEY].info(), dumps=lambda o: json.dumps(o, default=str))
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[ENGINE_KEY].info()
+    gauges = request.app[METRICS_KEY]
+    gauges["running"].set(state["running"])
+    gauges["waiting"].set(state["waiting"])
+    for kind, value in state["blocks"].items():
+        gauges["blocks"].labels(state=kind).set(value)
+    registry: CollectorRegistry = request.app[METRICS_KEY]["registry"]
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_metrics() -> dict[str, Any]:
+    registry = CollectorRegistry()
+    return {
+        "registry": registry,
+        "running": Gauge("tollway_worker_running_requests", "Requests running in the engine", registry=registry),
+        "waiting": Gauge("tollway_worker_waiting_requests", "Requests waiting for admission", registry=registry),
+        "blocks": Gauge("tollway_worker_kv_blocks", "KV blocks by state", ["state"], registry=registry),
+        "prompt_tokens": Counter("tollway_worker_prompt_tokens", "Prompt tokens served", registry=registry),
+        "cached_tokens": Counter("tollway_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                 registry=registry),
+        "completion_tokens": Counter("tollway_worker_completion_tokens", "Tokens generated", registry=registry),
+        "finished": Counter("tollway_worker_requests_finished", "Finished requests by reason", ["reason"],
+                            registry=registry),
+    }
+
+
+def create_worker_app(engine: AsyncEngine) -> web.Application:
+    app = web.Application(client_max_size=16 * 2**20)
+    app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = make_metrics()
+    app.router.add_post("/internal/generate", generate)
+    app.router.add_get("/internal/info", info)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
