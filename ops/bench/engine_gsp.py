@@ -84,7 +84,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name:
     prompt_tokens = sum(len(p) for p in prompts)
     return Result(name, seconds, prompt_tokens, sum(s.output_len for s in seqs),
                   [s.first_token_time - s.arrival_time for s in seqs],
-                  sum(s.cached_len for s in seqs) / prompt_tokens, util_at_peak)
+                  sum(s.prompt_cached_len for s in seqs) / prompt_tokens, util_at_peak)
 
 
 @torch.inference_mode()

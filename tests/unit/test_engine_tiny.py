@@ -63,6 +63,7 @@ def test_greedy_matches_plain_generation(tiny, prompts, expected, config: Engine
     assert [s.output_ids for s in again] == expected
     assert all(s.cached_len > 0 for s in again)
     assert_no_leaks(engine)
+    assert all(s.prompt_cached_len <= s.prompt_len for s in first + again)  # what usage bills
     if config.num_blocks == 12:
         assert sum(s.num_preemptions for s in first + again) > 0
 

@@ -42,7 +42,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_budget_bytes
     kv_budget_bytes: int = 2 * 2**30
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 1024
     max_running: int = 64
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
@@ -159,7 +159,7 @@ class Engine:
         assert seq.finish_reason is not None
         delta.finish_reason = seq.finish_reason.value
         self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
-        delta.usage = {"prompt_tokens": seq.prompt_len, "cached_tokens": seq.cached_len,
+        delta.usage = {"prompt_tokens": seq.prompt_len, "cached_tokens": seq.prompt_cached_len,
                        "completion_tokens": seq.output_len}
         del self.sequences[seq.request_id]
         return delta

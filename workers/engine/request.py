@@ -57,6 +57,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     cached_len: int = 0
+    # prompt tokens served by the prefix cache at first admission: what usage reports and bills
+    # (a preempted sequence's re-admission also hits its own recomputed blocks; that is not billed)
+    prompt_cached_len: int = 0
     computed_len: int = 0
     committed_blocks: int = 0  # whole blocks already offered to the prefix tree
     block_table: BlockTable | None = None

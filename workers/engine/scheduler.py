@@ -140,6 +140,8 @@ class Scheduler:
             return None
         seq.block_table = table
         seq.cached_len = seq.computed_len = match.cached_len
+        if seq.num_preemptions == 0:
+            seq.prompt_cached_len = min(match.cached_len, seq.prompt_len)
         seq.committed_blocks = match.cached_len // self.pool.block_size
         seq.status = Status.RUNNING
         self.waiting.remove(seq)
