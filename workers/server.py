@@ -1,8 +1,9 @@
 """The worker's internal HTTP API for the gateway (aiohttp).
 
 POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority}
-                         -> NDJSON deltas {token_ids, text, finish_reason[, logprobs]}; the last
-                         line adds usage {prompt_tokens, cached_tokens, completion_tokens}.
+                         -> NDJSON deltas {index, token_ids, text, finish_reason[, logprobs]}
+                         (index = choice, for n > 1); the request's last line adds usage
+                         {prompt_tokens, cached_tokens, completion_tokens}.
                          A closed connection aborts the request.
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
 GET  /healthz            liveness
@@ -98,7 +99,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     delta = first
     try:
         while True:
-            line = {"token_ids": delta.token_ids, "text": delta.text, "finish_reason": delta.finish_reason}
+            line = {"index": delta.index, "token_ids": delta.token_ids, "text": delta.text,
+                    "finish_reason": delta.finish_reason}
             if delta.logprobs is not None:
                 line["logprobs"] = delta.logprobs
                 line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
@@ -107,9 +109,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 metrics["prompt_tokens"].inc(delta.usage["prompt_tokens"])
                 metrics["cached_tokens"].inc(delta.usage["cached_tokens"])
                 metrics["completion_tokens"].inc(delta.usage["completion_tokens"])
+            if delta.finish_reason is not None:
                 metrics["finished"].labels(reason=delta.finish_reason).inc()
             await response.write(orjson.dumps(line) + b"\n")
-            if delta.finish_reason is not None:
+            if delta.usage is not None:  # the request's last line: every choice has finished
                 break
             delta = await anext(stream)
     except ConnectionResetError:  # the caller hung up: nothing more to send
@@ -150,7 +153,7 @@ def make_metrics() -> dict[str, Any]:
         "cached_tokens": Counter("tollway_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                  registry=registry),
         "completion_tokens": Counter("tollway_worker_completion_tokens", "Tokens generated", registry=registry),
-        "finished": Counter("tollway_worker_requests_finished", "Finished requests by reason", ["reason"],
+        "finished": Counter("tollway_worker_choices_finished", "Finished choices by reason", ["reason"],
                             registry=registry),
     }
 

@@ -152,3 +152,44 @@ def test_bad_requests_are_rejected(tiny, prompt, message: str, tmp_path: Path) -
     engine.add_request("dup", [5, 6], GREEDY)
     with pytest.raises(ValueError, match="already"):
         engine.add_request("dup", [5, 6], GREEDY)
+
+
+def run_deltas(engine: Engine) -> list:
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    return deltas
+
+
+def test_n_choices_fork_the_prompt_and_match_single_seeded_requests(tiny, prompts) -> None:
+    params = SamplingParams(max_tokens=9, temperature=1.0, seed=500, n=3, ignore_eos=True)
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine.add_request("multi", prompts[3], params)
+    first = engine.step()  # prefill and fork: the three choices share the prompt's blocks
+    assert sorted(d.index for d in first) == [0, 1, 2]
+    choices = [s for s in engine.scheduler.running if s.request_id == "multi"]
+    assert sorted(s.index for s in choices) == [0, 1, 2]
+    assert choices[0].block_table.block_ids[0] == choices[1].block_table.block_ids[0]
+    assert engine.pool.ref_count(choices[0].block_table.block_ids[0]) >= 3
+    deltas = first + run_deltas(engine)
+    outputs = {i: [t for d in deltas if d.index == i for t in d.token_ids] for i in range(3)}
+    for i in range(3):  # choice i draws like a single request seeded seed + i
+        single = SamplingParams(max_tokens=9, temperature=1.0, seed=500 + i, ignore_eos=True)
+        [alone] = Engine(tiny, EngineConfig(num_blocks=200)).generate_batch([prompts[3]], single)
+        assert choices[i].output_ids == alone.output_ids
+        assert outputs[i] == alone.output_ids  # and the deltas of choice i carry exactly those
+    assert len({tuple(o) for o in outputs.values()}) > 1
+    with_usage = [d for d in deltas if d.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is deltas[-1]
+    assert with_usage[0].usage == {"prompt_tokens": len(prompts[3]), "cached_tokens": 0, "completion_tokens": 27}
+    assert_no_leaks(engine)
+
+
+def test_aborting_an_n_request_closes_every_choice(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine.add_request("multi", prompts[0], SamplingParams(max_tokens=50, temperature=0.8, n=4, ignore_eos=True))
+    engine.step()
+    engine.step()
+    last = engine.abort("multi")
+    assert last is not None and last.usage is not None and last.usage["completion_tokens"] == 4 * 2
+    assert_no_leaks(engine)

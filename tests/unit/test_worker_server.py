@@ -107,3 +107,13 @@ async def test_info_health_and_metrics(worker) -> None:
     metrics = await (await client.get("/metrics")).text()
     assert "tollway_worker_completion_tokens_total 8.0" in metrics
     assert 'tollway_worker_kv_blocks{state="total"} 64.0' in metrics
+
+
+async def test_n_choices_stream_with_their_index(worker) -> None:
+    client, _ = worker
+    lines = await read_stream(await client.post("/internal/generate", json=body("multi", n=2, temperature=0.7, seed=3)))
+    by_choice = {i: [t for line in lines if line["index"] == i for t in line["token_ids"]] for i in (0, 1)}
+    assert all(len(tokens) == 8 for tokens in by_choice.values())
+    assert [line["finish_reason"] for line in lines].count("length") == 2
+    assert "usage" in lines[-1] and lines[-1]["usage"]["completion_tokens"] == 16
+    assert all("usage" not in line for line in lines[:-1])

@@ -54,7 +54,7 @@ class AsyncEngine:
         try:
             while not finished:
                 delta = await stream.deltas.get()
-                finished = delta.finish_reason is not None
+                finished = delta.usage is not None  # the request's last delta (all choices done)
                 yield delta
         finally:
             if not finished:
@@ -90,7 +90,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(*payload)
             except ValueError:  # validated already; reaching here means a race on the same id
-                self._deliver(Delta(request_id, finish_reason="abort"))
+                self._deliver(Delta(request_id, finish_reason="abort",
+                                    usage={"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}))
         elif command == "abort":
             self.engine.abort(payload)
             with self._streams_lock:
@@ -99,7 +100,7 @@ class AsyncEngine:
     def _deliver(self, delta: Delta) -> None:
         with self._streams_lock:
             stream = self._streams.get(delta.request_id)
-            if stream is not None and delta.finish_reason is not None:
+            if stream is not None and delta.usage is not None:
                 del self._streams[delta.request_id]
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)

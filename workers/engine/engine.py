@@ -26,7 +26,8 @@ from workers.models.loader import LoadedModel
 
 @dataclass
 class Delta:
-    """What one step produced for one request; the last one carries finish_reason and usage."""
+    """What one step produced for one choice of a request. A choice's last delta carries its
+    finish_reason; the request's very last delta (all n choices finished) also carries usage."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -35,6 +36,16 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    index: int = 0
+
+
+@dataclass
+class _Request:
+    """Per-request bookkeeping across its n choices."""
+
+    parent: Sequence
+    open_choices: int  # not yet finished, counting choices not yet forked
+    completion_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,9 +76,10 @@ class Engine:
                                    config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.sequences: dict[str, Sequence] = {}
-        self.finished_counts: dict[str, int] = {}  # by finish reason, since start
-        self._texts: dict[str, OutputText] = {}
+        self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
+        self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
+        self._requests: dict[str, _Request] = {}
+        self._texts: dict[tuple[str, int], OutputText] = {}
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -78,13 +90,17 @@ class Engine:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority)
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq.generator = torch.Generator(device=self.loaded.model.device).manual_seed(seed)
+        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1)
+        seq.generator = self._generator(params, 0)
         self.sequences[request_id] = seq
-        self._texts[request_id] = OutputText(self.loaded.tokenizer, params.stop)
+        self._requests[request_id] = _Request(seq, params.n)
+        self._texts[(request_id, 0)] = OutputText(self.loaded.tokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+        return torch.Generator(device=self.loaded.model.device).manual_seed(seed)
 
     def validate_request(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """ValueError for a request this engine cannot serve (reads only immutable state: thread-safe)."""
@@ -95,15 +111,17 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet")
 
     def abort(self, request_id: str) -> Delta | None:
-        seq = self.sequences.get(request_id)
-        if seq is None or seq.finished:
+        """Abort every open choice; returns the request's last delta (with usage), or None if gone."""
+        request = self._requests.get(request_id)
+        if request is None:
             return None
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._final_delta(seq, Delta(request_id))
+        last = None
+        for seq in [s for s in self.scheduler.running + self.scheduler.waiting if s.request_id == request_id]:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            last = self._final_delta(seq, Delta(request_id, index=seq.index))
+        return last
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -111,7 +129,7 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
         batch = self.scheduler.schedule()
-        deltas = [self._final_delta(s, Delta(s.request_id)) for s in self._take_scheduler_finished()]
+        deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self._take_scheduler_finished()]
         if not batch.seqs:
             return deltas
         sampling, logits = self.runner.run(batch)
@@ -120,6 +138,7 @@ class Engine:
             self.scheduler.commit_computed(seq)
         if not sampling:
             return deltas
+        sampling, logits = self._fork_choices(sampling, logits)
         result = sample(logits, sampling)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
@@ -127,17 +146,41 @@ class Engine:
             seq.output_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            delta = Delta(seq.request_id, [token])
+            delta = Delta(seq.request_id, [token], index=seq.index)
             if result.logprobs is not None and seq.params.logprobs is not None:
                 delta.logprobs = [result.logprobs[row]]
                 delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
             deltas.append(self._advance(seq, delta))
         return deltas
 
+    def _fork_choices(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request with n > 1 forks its other choices once its prompt is computed: they share
+        every block through the cache (copy-on-write for the partly filled last one) and sample
+        their first token from the same logits, each with its own generator."""
+        extra_seqs, extra_rows = [], []
+        for row, parent in enumerate(sampling):
+            if parent.pending_forks == 0 or parent.block_table is None:
+                continue
+            for index in range(1, parent.pending_forks + 1):
+                child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace,
+                                 parent.priority, index=index, arrival_time=parent.arrival_time)
+                child.generator = self._generator(parent.params, index)
+                child.block_table = parent.block_table.fork()
+                child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
+                child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
+                self.scheduler.adopt_running(child)
+                self._texts[(child.request_id, index)] = OutputText(self.loaded.tokenizer, parent.params.stop)
+                extra_seqs.append(child)
+                extra_rows.append(row)
+            parent.pending_forks = 0
+        if not extra_seqs:
+            return sampling, logits
+        return sampling + extra_seqs, torch.cat([logits, logits[extra_rows]])
+
     def _advance(self, seq: Sequence, delta: Delta) -> Delta:
         """Text and stop conditions after a new token."""
         token = seq.output_ids[-1]
-        text = self._texts[seq.request_id]
+        text = self._texts[(seq.request_id, seq.index)]
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
             seq.output_ids.pop()  # the stop token is not part of the completion
             delta.token_ids = []
@@ -153,15 +196,22 @@ class Engine:
         return delta
 
     def _final_delta(self, seq: Sequence, delta: Delta, flush: bool = True) -> Delta:
-        text = self._texts.pop(seq.request_id)
+        """Close one choice; the request's last open choice also reports usage and retires it."""
+        text = self._texts.pop((seq.request_id, seq.index))
         if flush:
             delta.text += text.flush(seq.output_ids)
         assert seq.finish_reason is not None
         delta.finish_reason = seq.finish_reason.value
         self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
-        delta.usage = {"prompt_tokens": seq.prompt_len, "cached_tokens": seq.prompt_cached_len,
-                       "completion_tokens": seq.output_len}
-        del self.sequences[seq.request_id]
+        request = self._requests[seq.request_id]
+        request.completion_tokens += seq.output_len
+        request.open_choices -= 1 + seq.pending_forks  # choices never forked close with their parent
+        seq.pending_forks = 0
+        if request.open_choices == 0:
+            parent = request.parent
+            delta.usage = {"prompt_tokens": parent.prompt_len, "cached_tokens": parent.prompt_cached_len,
+                           "completion_tokens": request.completion_tokens}
+            del self._requests[seq.request_id], self.sequences[seq.request_id]
         return delta
 
     def _take_scheduler_finished(self) -> list[Sequence]:

@@ -51,6 +51,7 @@ class Sequence:
     params: SamplingParams
     namespace: str = "default"  # set by the caller (the gateway: one per tenant), never by an end user
     priority: Priority = Priority.INTERACTIVE
+    index: int = 0  # which of the request's n choices
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrivals))
     output_ids: list[int] = field(default_factory=list)
@@ -66,6 +67,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    pending_forks: int = 0  # choices still to fork from this one when its prompt is computed (n > 1)
     # prefix-match length found when last ordered in the waiting queue (a scheduling hint only)
     match_hint: int = 0
 

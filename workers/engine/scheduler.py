@@ -60,6 +60,11 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    def adopt_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a forked choice) joins the running set."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
