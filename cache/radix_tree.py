@@ -78,6 +78,26 @@ class RadixPrefixTree:
         stats.miss_tokens += len(tokens) - cached_len
         return MatchResult(cached_len, block_ids, node)
 
+    def match_partial_block(self, namespace: str, tokens: Sequence[int], match: MatchResult) -> tuple[int, int] | None:
+        """After `match`, a cached block whose first k tokens (0 < k < block_size) continue the
+        prompt: (block id, k), the longest such k, never covering the last token. The caller copies
+        that block's K/V into a block of its own (the tree's block stays as it is) and computes
+        from position cached_len + k. (Not counted in the namespace's hit stats, which count whole
+        blocks.)"""
+        node = match.handle or self._roots.get(namespace)
+        if node is None:
+            return None
+        start = match.cached_len
+        wanted = list(tokens[start : min(start + self.block_size, len(tokens) - 1)])
+        best: tuple[int, int] | None = None
+        for key, child in node.children.items():
+            k = 0
+            while k < len(wanted) and key[k] == wanted[k]:
+                k += 1
+            if k and (best is None or k > best[1]):
+                best = (child.blocks[0], k)
+        return best
+
     def peek(self, namespace: str, tokens: Sequence[int]) -> int:
         """Tokens `match` would serve now, without counting it in the stats or touching LRU order."""
         tokens = list(tokens)

@@ -166,3 +166,17 @@ def test_tree_logic_does_not_import_torch() -> None:
 
     code = "import sys, cache; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_match_partial_block_finds_the_longest_continuation() -> None:
+    pool = BlockPool(16, block_size=4)
+    tree = RadixPrefixTree(pool)
+    held = pool.allocate(3)
+    tree.insert("ns", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], held)
+    pool.release(held)
+    match = tree.match("ns", [1, 2, 3, 4, 5, 6, 99, 99, 99])
+    assert match.cached_len == 4
+    assert tree.match_partial_block("ns", [1, 2, 3, 4, 5, 6, 99, 99, 99], match) == (held[1], 2)
+    short = tree.match("ns", [1, 2, 3, 4, 5, 6])  # the last token is never covered
+    assert tree.match_partial_block("ns", [1, 2, 3, 4, 5, 6], short) == (held[1], 1)
+    assert tree.match_partial_block("other", [1, 2, 3], tree.match("other", [1, 2, 3])) is None

@@ -193,3 +193,12 @@ def test_aborting_an_n_request_closes_every_choice(tiny, prompts) -> None:
     last = engine.abort("multi")
     assert last is not None and last.usage is not None and last.usage["completion_tokens"] == 4 * 2
     assert_no_leaks(engine)
+
+
+def test_prompt_continuing_into_part_of_a_cached_block_copies_it(tiny, prompts, expected) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine.generate_batch([prompts[0]], GREEDY)  # caches the 40-token system prompt and more
+    [second] = engine.generate_batch([prompts[1]], GREEDY)
+    assert second.cached_len == 40  # 32 in whole blocks + 8 copied from a partly matching block
+    assert second.output_ids == expected[1]
+    assert_no_leaks(engine)

@@ -132,9 +132,19 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
         match = self.tree.match(seq.namespace, seq.all_ids)
-        self.tree.lock(match.handle)
-        table = BlockTable(self.pool, match.block_ids, match.cached_len)
-        num_new = min(seq.total_len - match.cached_len, budget)
+        partial = self.tree.match_partial_block(seq.namespace, seq.all_ids, match)
+        self.tree.lock(match.handle)  # the request now holds one reference on each matched block
+        block_ids, cached, copies = list(match.block_ids), match.cached_len, []
+        if partial is not None and self.pool.can_allocate(1):
+            # The prompt continues into part of a cached block: copy that block into one of our
+            # own and skip its first k tokens. Copies run before the step writes anything, so
+            # the source is intact even if this very allocation evicted it.
+            source, k = partial
+            block_ids += self.pool.allocate(1)
+            cached += k
+            copies = [(source, block_ids[-1])]
+        table = BlockTable(self.pool, block_ids, cached)
+        num_new = min(seq.total_len - cached, budget)
         if not self.pool.can_allocate(table.blocks_needed(num_new)):
             table.release()
             if not self.running:  # nothing will ever free blocks for it
@@ -144,14 +154,14 @@ class Scheduler:
                 return 0  # keep admitting others
             return None
         seq.block_table = table
-        seq.cached_len = seq.computed_len = match.cached_len
+        seq.cached_len = seq.computed_len = cached
         if seq.num_preemptions == 0:
-            seq.prompt_cached_len = min(match.cached_len, seq.prompt_len)
+            seq.prompt_cached_len = min(cached, seq.prompt_len)
         seq.committed_blocks = match.cached_len // self.pool.block_size
         seq.status = Status.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-        batch.add(seq, num_new, table.append(num_new))
+        batch.add(seq, num_new, copies + table.append(num_new))
         return num_new
 
     def commit_computed(self, seq: Sequence) -> None:
