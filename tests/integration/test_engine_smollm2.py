@@ -25,7 +25,7 @@ REGIMES = {
     "batched": EngineConfig(num_blocks=400),
     "prefix-hits": EngineConfig(num_blocks=400),  # run twice: the second round is served from the cache
     "chunked": EngineConfig(num_blocks=400, max_batch_tokens=48),
-    "preempting": EngineConfig(num_blocks=14),  # 14 x 16 tokens cannot hold five ~70-token sequences
+    "preempting": EngineConfig(num_blocks=14, block_size=16),  # 14 x 16 tokens cannot hold five ~90-token sequences
 }
 
 

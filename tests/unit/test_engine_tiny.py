@@ -69,7 +69,7 @@ def test_greedy_matches_plain_generation(tiny, prompts, expected, config: Engine
 
 
 def test_shared_prefix_is_computed_once_within_a_batch(tiny, prompts) -> None:
-    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine = Engine(tiny, EngineConfig(num_blocks=200, block_size=16))
     seqs = engine.generate_batch(prompts, GREEDY)
     # the first prompt computes the 40-token system prompt; the others wait one step and hit it
     assert seqs[0].cached_len == 0
@@ -77,7 +77,7 @@ def test_shared_prefix_is_computed_once_within_a_batch(tiny, prompts) -> None:
 
 
 def test_follow_up_turn_hits_prompt_and_output(tiny, prompts) -> None:
-    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine = Engine(tiny, EngineConfig(num_blocks=200, block_size=16))
     [first] = engine.generate_batch([prompts[3]], GREEDY)
     follow_up = first.prompt_ids + first.output_ids + [5, 6, 7]
     [second] = engine.generate_batch([follow_up], GREEDY)
@@ -196,7 +196,7 @@ def test_aborting_an_n_request_closes_every_choice(tiny, prompts) -> None:
 
 
 def test_prompt_continuing_into_part_of_a_cached_block_copies_it(tiny, prompts, expected) -> None:
-    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    engine = Engine(tiny, EngineConfig(num_blocks=200, block_size=16))
     engine.generate_batch([prompts[0]], GREEDY)  # caches the 40-token system prompt and more
     [second] = engine.generate_batch([prompts[1]], GREEDY)
     assert second.cached_len == 40  # 32 in whole blocks + 8 copied from a partly matching block
