@@ -70,6 +70,7 @@ async def test_generate_streams_deltas_then_usage(worker, tiny) -> None:
         (body(top_p=0), "top_p"),
         (body(colour="blue"), "unknown sampling fields"),
         (body(max_tokens="many"), "must be a number"),
+        (body(seed=1.5), "seed must be an integer"),
     ],
 )
 async def test_bad_input_is_a_400_with_a_message(worker, payload, message: str) -> None:
@@ -117,3 +118,17 @@ async def test_n_choices_stream_with_their_index(worker) -> None:
     assert [line["finish_reason"] for line in lines].count("length") == 2
     assert "usage" in lines[-1] and lines[-1]["usage"]["completion_tokens"] == 16
     assert all("usage" not in line for line in lines[:-1])
+
+
+async def test_an_engine_failure_ends_open_requests_with_error(worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, engine = worker
+
+    def broken_step():
+        raise RuntimeError("simulated engine bug")
+
+    monkeypatch.setattr(engine.engine, "step", broken_step)
+    lines = await read_stream(await client.post("/internal/generate", json=body("doomed")))
+    assert lines[-1]["finish_reason"] == "error" and "usage" in lines[-1]
+    monkeypatch.undo()
+    healthy = await read_stream(await client.post("/internal/generate", json=body("after")))
+    assert healthy[-1]["finish_reason"] == "length"  # the engine thread kept serving

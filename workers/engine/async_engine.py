@@ -10,6 +10,7 @@ request, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from typing import Any
 from workers.engine.engine import Delta, Engine
 from workers.engine.params import SamplingParams
 from workers.engine.request import Priority
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,7 +82,11 @@ class AsyncEngine:
                     block = False
             except queue.Empty:
                 pass
-            deltas = self.engine.step() if self.engine.has_work() else []
+            try:
+                deltas = self.engine.step() if self.engine.has_work() else []
+            except Exception:  # a bug must not leave callers hanging: fail what is open, keep serving
+                log.exception("engine step failed; failing every open request")
+                deltas = self._fail_open_requests()
             self._info = self.engine.info()  # before delivering: a caller that saw its last delta sees it gone
             for delta in deltas:
                 self._deliver(delta)
@@ -96,6 +103,19 @@ class AsyncEngine:
             self.engine.abort(payload)
             with self._streams_lock:
                 self._streams.pop(payload, None)  # nobody listens any more
+
+    def _fail_open_requests(self) -> list[Delta]:
+        failed = []
+        for request_id in list(self.engine.sequences):
+            last = None
+            try:
+                last = self.engine.abort(request_id)
+            except Exception:  # the engine's state may be inconsistent; the caller still gets an answer
+                log.exception("could not abort %s", request_id)
+            usage = last.usage if last is not None and last.usage else {
+                "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+            failed.append(Delta(request_id, finish_reason="error", usage=usage))
+        return failed
 
     def _deliver(self, delta: Delta) -> None:
         with self._streams_lock:

@@ -23,6 +23,15 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "top_k", "n"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an integer")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be integers")
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
