@@ -33,8 +33,7 @@ def store_kv(
 
 @dataclass
 class DecodePlan:
-    block_index: torch.Tensor  # [B * blocks_per_seq] int64, block ids in sequence order
-    blocks_per_seq: int
+    block_index: torch.Tensor  # [B * blocks per sequence] int64, block ids in sequence order
     mask: torch.Tensor | None  # [B, 1, 1, L] additive; None when every sequence fills all L keys
     buffers: GatherBuffers = field(default_factory=GatherBuffers)
 
@@ -54,7 +53,7 @@ def prepare_decode(
         query_positions = (lengths - 1)[:, None]
         mask = visibility_mask(key_positions[None, :], query_positions, lengths[:, None], sliding_window, dtype)
         mask = mask[:, None, None, :]
-    return DecodePlan(block_index, blocks_per_seq, mask)
+    return DecodePlan(block_index, mask)
 
 
 def gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -43,16 +43,8 @@ class PagedAttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes  # one token per decode sequence
-
-    @property
     def max_context_len(self) -> int:
         return max(self.context_lens_list, default=0)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_list, default=0)
 
     @classmethod
     def build(

@@ -30,10 +30,6 @@ class ScheduledBatch:
     num_new: list[int] = field(default_factory=list)  # tokens each runs this step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
     def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
