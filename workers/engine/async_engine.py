@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from workers.engine.params import SamplingParams
 from workers.engine.request import Priority
 
 log = logging.getLogger(__name__)
+INFO_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -38,6 +40,7 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
         self._info: dict[str, Any] = engine.info()
+        self._info_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tollway-engine", daemon=True)
         self._thread.start()
 
@@ -87,7 +90,13 @@ class AsyncEngine:
             except Exception:  # a bug must not leave callers hanging: fail what is open, keep serving
                 log.exception("engine step failed; failing every open request")
                 deltas = self._fail_open_requests()
-            self._info = self.engine.info()  # before delivering: a caller that saw its last delta sees it gone
+            # The snapshot walks every running block table, so it is not refreshed on every step:
+            # only when a request ended (before delivering, so a caller that saw its last delta
+            # sees it gone), when the engine is idle, or every INFO_INTERVAL_S.
+            now = time.monotonic()
+            if (any(d.usage is not None for d in deltas) or not self.engine.has_work()
+                    or now - self._info_time >= INFO_INTERVAL_S):
+                self._info, self._info_time = self.engine.info(), now
             for delta in deltas:
                 self._deliver(delta)
 
