@@ -1,1 +1,1 @@
-"""SQL accounting: tenants, keys, usage, prices, billing reports (not built yet)."""
+"""Accounting: SQLAlchemy models and sessions (tenants, API keys), Alembic-made schema, key hashing."""

@@ -1,1 +1,1 @@
-"""Alembic environment and versions (not built yet)."""
+"""Alembic environment and versions of the accounting database (run through accounting.db)."""

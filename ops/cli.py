@@ -12,6 +12,8 @@ from typing import NoReturn
 import click
 from rich.console import Console
 
+from ops.admin_cli import keys, tenants
+
 NOT_BUILT_EXIT_CODE = 2
 stderr = Console(stderr=True)
 
@@ -27,10 +29,33 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--port", type=int, default=8000, show_default=True, help="Gateway port on 127.0.0.1.")
-def up(port: int) -> None:
-    """Start gateway + engine worker + Celery worker on embedded defaults. (not built yet)"""
-    not_built("up")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="Gateway port on 127.0.0.1.")
+@click.option("--workers", "num_workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Engine workers (each gets an equal share of the CPU cores).")
+@click.option("--worker-port", type=click.IntRange(1, 65535), default=8100, show_default=True,
+              help="Port of the first engine worker; the others follow.")
+def up(port: int, num_workers: int, worker_port: int) -> None:
+    """Start the gateway and the engine workers on embedded defaults, and keep them running."""
+    from ops.supervisor import run_up
+
+    sys.exit(run_up(port, num_workers, worker_port, stderr))
+
+
+@cli.command()
+@click.option("--host", default=None, help="[default: TOLLWAY_HOST or 127.0.0.1]")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="[default: TOLLWAY_PORT or 8000]")
+def gateway(host: str | None, port: int | None) -> None:
+    """Run one gateway process (workers from TOLLWAY_WORKER_URLS); `tollway up` runs this for you."""
+    import logging
+
+    from gateway.app import run_gateway
+    from gateway.settings import GatewaySettings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = GatewaySettings()
+    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
+    run_gateway(settings)
 
 
 @cli.command()
@@ -82,32 +107,8 @@ def worker(model: str | None, host: str, port: int, dtype: str | None) -> None:
                console=stderr)
 
 
-@cli.group()
-def tenants() -> None:
-    """Manage tenants. (not built yet)"""
-
-
-@tenants.command("create")
-@click.argument("name")
-@click.option("--rpm", type=int, help="Requests per minute.")
-@click.option("--tpm", type=int, help="Tokens per minute.")
-@click.option("--max-concurrent", type=int, help="Concurrent requests.")
-@click.option("--monthly-token-budget", type=int, help="Tokens per calendar month.")
-def tenants_create(name: str, **_: object) -> None:
-    """Create a tenant with optional quotas. (not built yet)"""
-    not_built("tenants create")
-
-
-@cli.group()
-def keys() -> None:
-    """Manage API keys. (not built yet)"""
-
-
-@keys.command("create")
-@click.option("--tenant", required=True, help="Tenant name.")
-def keys_create(tenant: str) -> None:
-    """Create an API key; it is printed once, only its hash is stored. (not built yet)"""
-    not_built("keys create")
+cli.add_command(tenants)
+cli.add_command(keys)
 
 
 @cli.group()
@@ -141,3 +142,7 @@ def batch_submit(**_: object) -> None:
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":  # `python -m ops.cli`: how `tollway up` starts its children
+    main()

@@ -8,11 +8,12 @@ import click
 import torch
 from rich.console import Console
 
+from gateway.tokenizer import ChatTemplateError, TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
-from workers.models.tokenizer import ChatTemplateError
+from workers.models.tokenizer import tokenizer_payload
 from workers.precision import resolve_dtype
 from workers.settings import WorkerSettings
 
@@ -56,7 +57,7 @@ def run_generate(
 ) -> str:
     """The completion text (special tokens skipped, surrounding whitespace stripped)."""
     loaded = load_named_model(settings, model, dtype, console)
-    tokenizer = loaded.tokenizer
+    tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
     try:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     except ChatTemplateError as exc:

@@ -6,6 +6,8 @@ POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling
                          {prompt_tokens, cached_tokens, completion_tokens}.
                          A closed connection aborts the request.
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
+GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes without the model:
+                         {model, tokenizer_json, tokenizer_config, chat_template}
 GET  /healthz            liveness
 GET  /metrics            Prometheus text format
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
@@ -25,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.params import SamplingParams
 from workers.engine.request import Priority
+from workers.models.tokenizer import tokenizer_payload
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", dict)
@@ -127,6 +130,12 @@ async def info(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE_KEY].info(), dumps=lambda o: json.dumps(o, default=str))
 
 
+async def tokenizer(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY].engine
+    payload = {"model": engine.name, **tokenizer_payload(engine.loaded.folder)}
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -164,6 +173,7 @@ def create_worker_app(engine: AsyncEngine) -> web.Application:
     app[METRICS_KEY] = make_metrics()
     app.router.add_post("/internal/generate", generate)
     app.router.add_get("/internal/info", info)
+    app.router.add_get("/internal/tokenizer", tokenizer)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from gateway.tokenizer import TextTokenizer
 from tests.e2e.test_generate_cli import tollway_executable
-from workers.models.tokenizer import TextTokenizer
+from workers.models.tokenizer import tokenizer_payload
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def worker_url(smollm2_folder: Path, model_home: Path):
 
 
 def test_worker_generates_like_transformers_and_caches(worker_url: str, smollm2_folder: Path) -> None:
-    tokenizer = TextTokenizer.from_folder(smollm2_folder)
+    tokenizer = TextTokenizer.from_payload(tokenizer_payload(smollm2_folder))
     prompt = tokenizer.encode_chat([{"role": "system", "content": "You are terse."},
                                     {"role": "user", "content": "Name a prime number."}])
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()

@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from gateway.tokenizer import TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.loader import LoadedModel, load_model
+from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits
 
 pytestmark = pytest.mark.slow
@@ -36,7 +38,8 @@ def fp32(smollm2_folder: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def prompts(fp32: LoadedModel) -> list[list[int]]:
-    return [fp32.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+    tokenizer = TextTokenizer.from_payload(tokenizer_payload(fp32.folder))
+    return [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
             for q in QUESTIONS]
 
 

@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
+from gateway.tokenizer import TextTokenizer
 from workers.generate import SamplingParams, generate
 from workers.models.loader import LoadedModel, load_model
+from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits, run_step
 
 pytestmark = pytest.mark.slow
@@ -109,10 +111,12 @@ def test_chat_template_and_decode_match_transformers(ours: LoadedModel, hf_token
     expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
         expected = expected["input_ids"]
-    assert ours.tokenizer.encode_chat(messages) == expected
+    gateway_tokenizer = TextTokenizer.from_payload(tokenizer_payload(ours.folder))
+    assert gateway_tokenizer.encode_chat(messages) == expected
     with_system = [{"role": "system", "content": "Be brief."}, *messages]
-    assert ours.tokenizer.render_chat(with_system) == hf_tokenizer.apply_chat_template(
+    assert gateway_tokenizer.render_chat(with_system) == hf_tokenizer.apply_chat_template(
         with_system, add_generation_prompt=True, tokenize=False
     )
     ids = ours.tokenizer.encode(" Héllo,  wörld! <|im_end|>")
+    assert gateway_tokenizer.encode(" Héllo,  wörld! <|im_end|>") == ids
     assert ours.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)

@@ -132,3 +132,13 @@ async def test_an_engine_failure_ends_open_requests_with_error(worker, monkeypat
     monkeypatch.undo()
     healthy = await read_stream(await client.post("/internal/generate", json=body("after")))
     assert healthy[-1]["finish_reason"] == "length"  # the engine thread kept serving
+
+
+async def test_tokenizer_files_let_the_gateway_tokenize_without_the_model(worker, tiny: LoadedModel) -> None:
+    from gateway.tokenizer import TextTokenizer
+
+    client, _ = worker
+    payload = await (await client.get("/internal/tokenizer")).json()
+    assert payload["model"] == "tiny"
+    gateway_tokenizer = TextTokenizer.from_payload(payload)
+    assert gateway_tokenizer.encode("w1 w2 w3") == tiny.tokenizer.encode("w1 w2 w3")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.models.tokenizer import TextTokenizer
+from workers.models.tokenizer import TokenCodec
 
 
 class OutputText:
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TokenCodec, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.emitted = 0  # characters of the decoded output already handed out

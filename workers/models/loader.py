@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 from workers.models.assets import ModelFolderError, check_model_folder
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.llama import LlamaForCausalLM
-from workers.models.tokenizer import TextTokenizer
+from workers.models.tokenizer import TokenCodec
 
 
 @dataclass
 class LoadedModel:
     folder: Path
     model: LlamaForCausalLM
-    tokenizer: TextTokenizer
+    tokenizer: TokenCodec
     eos_token_ids: tuple[int, ...]
 
 
@@ -69,6 +69,6 @@ def load_model(folder: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(
         folder=folder,
         model=load_weights(folder, config, dtype),
-        tokenizer=TextTokenizer.from_folder(folder),
+        tokenizer=TokenCodec.from_folder(folder),
         eos_token_ids=eos_token_ids(folder, config),
     )

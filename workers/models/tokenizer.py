@@ -1,8 +1,8 @@
-"""Tokenizer and chat template of a model folder, on `tokenizers` + jinja2 (no transformers import).
+"""The worker's view of a model's tokenizer: token ids ↔ text, nothing more.
 
-Reads `tokenizer.json`, the special tokens in `tokenizer_config.json`, and the chat template from
-`chat_template.jinja` or the config's `chat_template` key. Templates render in a sandbox with the
-same options and helpers Hugging Face uses, so prompts tokenize identically.
+Workers receive token ids: prompts are tokenized (and chat templates rendered) in the gateway,
+which fetches the files it needs from `GET /internal/tokenizer`. The engine only decodes its
+output (and the offline tools encode plain text).
 """
 
 from __future__ import annotations
@@ -11,66 +11,30 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or the messages do not fit it."""
+def tokenizer_payload(folder: Path) -> dict[str, Any]:
+    """The files a gateway needs to tokenize for a model, read from its folder (JSON-ready)."""
+    config_path = folder / "tokenizer_config.json"
+    template_path = folder / "chat_template.jinja"
+    return {
+        "tokenizer_json": (folder / "tokenizer.json").read_text(),
+        "tokenizer_config": json.loads(config_path.read_text()) if config_path.exists() else {},
+        "chat_template": template_path.read_text() if template_path.exists() else None,
+    }
 
 
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):  # older configs store AddedToken dicts
-        return value.get("content")
-    return value
-
-
-class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer, special_tokens: dict[str, str | None], chat_template: str | None):
+class TokenCodec:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self.special_tokens = special_tokens
-        self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
 
     @classmethod
-    def from_folder(cls, folder: Path) -> TextTokenizer:
-        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template_path = folder / "chat_template.jinja"
-        template = template_path.read_text() if template_path.exists() else config.get("chat_template")
-        names = ("bos_token", "eos_token", "pad_token", "unk_token")
-        return cls(tokenizer, {n: _token_text(config.get(n)) for n in names}, template)
+    def from_folder(cls, folder: Path) -> TokenCodec:
+        return cls(Tokenizer.from_file(str(folder / "tokenizer.json")))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation (special tokens written out by the template)."""
-        if self.chat_template is None:
-            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(self.chat_template)
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
-
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        # The template writes the special tokens itself, so none are added here (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

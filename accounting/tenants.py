@@ -1,0 +1,295 @@
+"""Tenant and API key administration, and key authentication.
+
+Every function works on a caller-owned `Session`: it flushes (so ids and constraint errors show up
+at once) but never commits or rolls back. Invalid input raises a subclass of `AccountingError`
+(a `ValueError`) with a message fit for an operator.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from accounting.keys import display_prefix, generate_api_key, hash_api_key
+from accounting.models import QUOTA_FIELDS, TENANT_NAME_MAX_LENGTH, ApiKey, Tenant, utcnow
+
+KEY_NAME_MAX_LENGTH = 200
+_TENANT_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_NAME_MAX_LENGTH}}}")
+_KEY_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+class AccountingError(ValueError):
+    """Base of every error caused by bad input to the accounting services."""
+
+
+class TenantNotFoundError(AccountingError):
+    """No tenant has that name."""
+
+
+class TenantExistsError(AccountingError):
+    """A tenant with that name exists already."""
+
+
+class KeyNotFoundError(AccountingError):
+    """No API key has that id."""
+
+
+class InvalidQuotaError(AccountingError):
+    """A quota (or name, or other value) is out of range."""
+
+
+class _Unlimited(enum.Enum):
+    UNLIMITED = "unlimited"
+
+
+UNLIMITED = _Unlimited.UNLIMITED
+"""Pass as a quota to `update_tenant` to remove the limit (store None); None there means "no change"."""
+Unlimited = Literal[_Unlimited.UNLIMITED]
+QuotaUpdate = int | Unlimited | None
+
+
+@dataclass(frozen=True)
+class AuthRecord:
+    """What the gateway needs to know about a valid key. Quotas: None = unlimited."""
+
+    tenant_id: int
+    tenant_name: str
+    key_id: int
+    key_prefix: str
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    monthly_token_budget: int | None
+    expires_at: datetime | None
+
+
+def _check_quota(field: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidQuotaError(f"{field} must be a whole number or unlimited, got {value!r}")
+    if value < 0:
+        raise InvalidQuotaError(f"{field} must be 0 or more, got {value}")
+    return value
+
+
+def _check_tenant_name(name: object) -> str:
+    if not isinstance(name, str) or _TENANT_NAME.fullmatch(name) is None:
+        raise InvalidQuotaError(
+            f"invalid tenant name {name!r}: use 1-{TENANT_NAME_MAX_LENGTH} letters, digits, '-', '_' or '.'"
+        )
+    return name
+
+
+def _check_aware(field: str, value: datetime | None) -> datetime | None:
+    if value is not None and value.tzinfo is None:
+        raise InvalidQuotaError(f"{field} must be timezone-aware (UTC), got a naive datetime")
+    return value
+
+
+def create_tenant(
+    session: Session, name: str, *, rpm: int | None = None, tpm: int | None = None,
+    max_concurrent: int | None = None, monthly_token_budget: int | None = None,
+) -> Tenant:
+    """Create a tenant; quotas left at None are unlimited."""
+    _check_tenant_name(name)
+    quotas = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent,
+              "monthly_token_budget": monthly_token_budget}
+    checked = {field: _check_quota(field, value) for field, value in quotas.items()}
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise TenantExistsError(f"tenant {name!r} exists already")
+    tenant = Tenant(name=name, disabled=False, **checked)
+    session.add(tenant)
+    try:
+        session.flush()
+    except IntegrityError as error:  # created concurrently since the check above
+        raise TenantExistsError(f"tenant {name!r} exists already") from error
+    return tenant
+
+
+def list_tenants(session: Session) -> list[Tenant]:
+    """Every tenant, by name."""
+    return list(session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+def get_tenant(session: Session, name: str) -> Tenant:
+    """The tenant called `name`; raises TenantNotFoundError."""
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise TenantNotFoundError(f"no tenant named {name!r}")
+    return tenant
+
+
+def update_tenant(
+    session: Session, name: str, *, rpm: QuotaUpdate = None, tpm: QuotaUpdate = None,
+    max_concurrent: QuotaUpdate = None, monthly_token_budget: QuotaUpdate = None,
+    disabled: bool | None = None,
+) -> Tenant:
+    """Change some quotas (or `disabled`) of a tenant.
+
+    For each field: None leaves it unchanged, an int sets it, `UNLIMITED` removes the limit.
+    """
+    updates: dict[str, Any] = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent,
+                               "monthly_token_budget": monthly_token_budget}
+    tenant = get_tenant(session, name)
+    checked: dict[str, int | None] = {}
+    for field, value in updates.items():
+        if value is UNLIMITED:
+            checked[field] = None
+        elif value is not None:
+            checked[field] = _check_quota(field, value)
+    for field, value in checked.items():
+        setattr(tenant, field, value)
+    if disabled is not None:
+        tenant.disabled = bool(disabled)
+    session.flush()
+    return tenant
+
+
+def set_tenant_disabled(session: Session, name: str, disabled: bool) -> Tenant:
+    """Disable (every key stops authenticating) or re-enable a tenant."""
+    tenant = get_tenant(session, name)
+    tenant.disabled = disabled
+    session.flush()
+    return tenant
+
+
+def create_key(
+    session: Session, tenant_name: str, *, name: str | None = None, expires_at: datetime | None = None,
+    rpm: int | None = None, tpm: int | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key for a tenant. Returns the row and the plaintext key, which is not stored anywhere.
+
+    `rpm`/`tpm` tighten the tenant's quotas for this key (None = the tenant's value applies).
+    """
+    if name is not None and len(name) > KEY_NAME_MAX_LENGTH:
+        raise InvalidQuotaError(f"key name is longer than {KEY_NAME_MAX_LENGTH} characters")
+    _check_aware("expires_at", expires_at)
+    tenant = get_tenant(session, tenant_name)
+    return _new_key(session, tenant, name=name, expires_at=expires_at,
+                    rpm=_check_quota("rpm", rpm), tpm=_check_quota("tpm", tpm))
+
+
+def _new_key(
+    session: Session, tenant: Tenant, *, name: str | None, expires_at: datetime | None,
+    rpm: int | None, tpm: int | None,
+) -> tuple[ApiKey, str]:
+    plaintext = generate_api_key()
+    key = ApiKey(tenant=tenant, name=name, key_hash=hash_api_key(plaintext), prefix=display_prefix(plaintext),
+                 expires_at=expires_at, rpm=rpm, tpm=tpm)
+    session.add(key)
+    session.flush()
+    return key, plaintext
+
+
+def list_keys(session: Session, tenant_name: str | None = None) -> list[ApiKey]:
+    """Every key (of one tenant if given), oldest first. Raises TenantNotFoundError for an unknown tenant."""
+    query = select(ApiKey).order_by(ApiKey.id)
+    if tenant_name is not None:
+        query = query.where(ApiKey.tenant_id == get_tenant(session, tenant_name).id)
+    return list(session.scalars(query))
+
+
+def _get_key(session: Session, key_id: int) -> ApiKey:
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise KeyNotFoundError(f"no API key with id {key_id}")
+    return key
+
+
+def revoke_key(session: Session, key_id: int) -> ApiKey:
+    """Revoke a key now; revoking a revoked key keeps its first revocation time."""
+    key = _get_key(session, key_id)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def rotate_key(session: Session, key_id: int, grace_seconds: int) -> tuple[ApiKey, str]:
+    """Replace a key: a new key (same tenant, name, quotas and expiry) and the old one expires soon.
+
+    The old key keeps working for `grace_seconds` (or until its own expiry, if sooner), so clients
+    can switch without downtime. Returns the new row and its plaintext.
+    """
+    if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int) or grace_seconds < 0:
+        raise InvalidQuotaError(f"grace_seconds must be 0 or more, got {grace_seconds!r}")
+    old = _get_key(session, key_id)
+    now = utcnow()
+    if old.revoked_at is not None:
+        raise AccountingError(f"API key {key_id} is revoked; create a new key instead")
+    original_expiry = old.expires_at
+    if original_expiry is not None and original_expiry <= now:
+        raise AccountingError(f"API key {key_id} has expired; create a new key instead")
+    grace_end = now + timedelta(seconds=grace_seconds)
+    old.expires_at = grace_end if original_expiry is None else min(original_expiry, grace_end)
+    return _new_key(session, old.tenant, name=old.name, expires_at=original_expiry, rpm=old.rpm, tpm=old.tpm)
+
+
+def _stricter(tenant_value: int | None, key_value: int | None) -> int | None:
+    if key_value is None:
+        return tenant_value
+    return key_value if tenant_value is None else min(tenant_value, key_value)
+
+
+def authenticate(session: Session, key_hash: str, now: datetime | None = None) -> AuthRecord | None:
+    """The AuthRecord of a usable key, else None (unknown, revoked, expired, or tenant disabled).
+
+    One query. Per-key rpm/tpm apply where stricter than the tenant's. The caller compares hashes
+    in constant time and caches the result.
+    """
+    if not isinstance(key_hash, str) or _KEY_HASH.fullmatch(key_hash) is None:
+        return None
+    now = _check_aware("now", now) or utcnow()
+    row = session.execute(
+        select(ApiKey.id, ApiKey.prefix, ApiKey.expires_at, ApiKey.rpm, ApiKey.tpm,
+               Tenant.id, Tenant.name, Tenant.rpm, Tenant.tpm, Tenant.max_concurrent,
+               Tenant.monthly_token_budget)
+        .join(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None), Tenant.disabled.is_(False),
+               or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now))
+    ).first()
+    if row is None:
+        return None
+    key_id, prefix, expires_at, key_rpm, key_tpm, tenant_id, tenant_name, rpm, tpm, concurrent, budget = row
+    return AuthRecord(tenant_id=tenant_id, tenant_name=tenant_name, key_id=key_id, key_prefix=prefix,
+                      rpm=_stricter(rpm, key_rpm), tpm=_stricter(tpm, key_tpm), max_concurrent=concurrent,
+                      monthly_token_budget=budget, expires_at=expires_at)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def key_status(key: ApiKey, now: datetime | None = None) -> str:
+    """"revoked", "expired" or "active"."""
+    if key.revoked_at is not None:
+        return "revoked"
+    if key.expires_at is not None and key.expires_at <= (now or utcnow()):
+        return "expired"
+    return "active"
+
+
+def tenant_to_dict(tenant: Tenant) -> dict[str, Any]:
+    """A tenant as JSON-ready data (admin API)."""
+    data: dict[str, Any] = {"id": tenant.id, "name": tenant.name, "disabled": tenant.disabled}
+    data.update({field: getattr(tenant, field) for field in QUOTA_FIELDS})
+    data.update(created_at=_iso(tenant.created_at), updated_at=_iso(tenant.updated_at))
+    return data
+
+
+def key_to_dict(key: ApiKey) -> dict[str, Any]:
+    """A key as JSON-ready data (admin API); never the hash or the key itself."""
+    return {
+        "id": key.id, "tenant_id": key.tenant_id, "tenant": key.tenant.name, "name": key.name,
+        "prefix": key.prefix, "status": key_status(key), "rpm": key.rpm, "tpm": key.tpm,
+        "created_at": _iso(key.created_at), "expires_at": _iso(key.expires_at),
+        "revoked_at": _iso(key.revoked_at),
+    }

@@ -1,0 +1,119 @@
+"""The gateway's app factory: one `setup_*` per concern, resources opened in `cleanup_ctx`.
+
+`create_app(settings)` builds the whole gateway (tests use the real factory with `aiohttp_client`);
+`run_gateway(settings)` serves it. The gateway never imports torch: it reaches the engine workers
+over HTTP only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from accounting.db import create_db_engine, session_factory, upgrade_database
+from accounting.settings import AccountingSettings
+from gateway import admin_api, completions
+from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
+from gateway.errors import error_middleware
+from gateway.openapi import build_openapi
+from gateway.router import Router
+from gateway.settings import GatewaySettings
+from gateway.state import ADMIN_KEY, AUTH, POOL, ROUTER, SESSIONS, SETTINGS
+from gateway.worker_pool import WorkerPool
+
+
+def database_url(settings: GatewaySettings) -> str:
+    return AccountingSettings(home=settings.home, database_url=settings.database_url).url
+
+
+def setup_database(app: web.Application, migrate: bool) -> None:
+    async def database(app: web.Application) -> AsyncIterator[None]:
+        url = database_url(app[SETTINGS])
+        engine = create_db_engine(url)
+        if migrate:
+            await asyncio.to_thread(upgrade_database, engine)
+        app[SESSIONS] = session_factory(engine)
+        yield
+        engine.dispose()
+
+    app.cleanup_ctx.append(database)
+
+
+def setup_auth(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    app[ADMIN_KEY], _ = load_or_create_admin_key(settings.admin_key, settings.home)
+
+    async def auth(app: web.Application) -> AsyncIterator[None]:
+        app[AUTH] = cache = KeyCache(lambda: app[SESSIONS](), settings.auth_cache_ttl_s)
+        listener = None
+        if settings.redis_url:
+            listener = asyncio.create_task(listen_for_invalidations(settings.redis_url, cache))
+        yield
+        if listener is not None:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    app.cleanup_ctx.append(auth)
+
+
+def setup_workers(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    app[ROUTER] = Router(balance_abs_threshold=settings.router_balance_abs,
+                         balance_rel_threshold=settings.router_balance_rel,
+                         cache_threshold=settings.router_cache_threshold)
+
+    async def workers(app: web.Application) -> AsyncIterator[None]:
+        # One pooled session for all upstream traffic; no connection cap (the workers queue).
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        app[POOL] = pool = WorkerPool(settings.workers, session, health_interval_s=settings.health_interval_s)
+        await pool.start()
+        yield
+        await pool.stop()
+        await session.close()
+
+    app.cleanup_ctx.append(workers)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness of the gateway, with how many workers are in rotation."""
+    workers = request.app[POOL].workers.values()
+    return web.json_response({"status": "ok", "workers_healthy": sum(w.healthy for w in workers),
+                              "workers_total": len(workers)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """This document: every route of the gateway."""
+    return web.json_response(build_openapi(request.app))
+
+
+def setup_routes(app: web.Application) -> None:
+    router = app.router
+    router.add_get("/healthz", healthz)
+    router.add_get("/openapi.json", openapi)
+    router.add_get("/v1/models", completions.list_models)
+    router.add_get("/v1/models/{model}", completions.get_model)
+    router.add_post("/v1/chat/completions", completions.chat_completions)
+    router.add_post("/v1/completions", completions.completions)
+    admin_api.add_routes(router)
+
+
+def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True) -> web.Application:
+    settings = settings or GatewaySettings()
+    app = web.Application(middlewares=[error_middleware], client_max_size=int(settings.max_body_mb * 2**20))
+    app[SETTINGS] = settings
+    setup_database(app, migrate)
+    setup_auth(app)
+    setup_workers(app)
+    setup_routes(app)
+    return app
+
+
+def run_gateway(settings: GatewaySettings) -> None:
+    app = create_app(settings)
+    web.run_app(app, host=settings.host, port=settings.port, print=None,
+                access_log=aiohttp.web.access_logger if settings.access_log else None)

@@ -1,0 +1,40 @@
+"""Settings of the gateway (env prefix TOLLWAY_)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
+
+    home: Path = Path(".tollway")
+    """State folder: the SQLite database and admin.key live here."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_urls: str = "http://127.0.0.1:8100"
+    """Comma-separated base URLs of the engine workers."""
+    admin_key: str | None = None
+    """Admin key; when unset one is generated into $TOLLWAY_HOME/admin.key (mode 600)."""
+    redis_url: str | None = None
+    """Redis for shared quotas and key-revocation broadcasts; unset = in-process only."""
+    database_url: str | None = None
+    """SQLAlchemy URL; unset = SQLite at $TOLLWAY_HOME/tollway.db."""
+    max_body_mb: float = 4.0
+    """Largest accepted request body (larger → 413)."""
+    auth_cache_ttl_s: float = 5.0
+    """How long a key lookup is trusted without Redis invalidation."""
+    health_interval_s: float = 1.0
+    """How often every worker's /internal/info is polled."""
+    max_attempts: int = 3
+    """Workers tried for one request that has not begun streaming."""
+    router_balance_abs: int = 32
+    router_balance_rel: float = 1.5
+    router_cache_threshold: float = 0.5
+    access_log: bool = False
+
+    @property
+    def workers(self) -> list[str]:
+        return [url.strip().rstrip("/") for url in self.worker_urls.split(",") if url.strip()]

@@ -1,0 +1,79 @@
+"""Prompt tokenization in the gateway: `tokenizers` + the model's chat template (jinja2), no torch.
+
+Built from a model's tokenizer files as a worker serves them on `GET /internal/tokenizer`
+(`tokenizer.json`, `tokenizer_config.json` with the special tokens, and the chat template from
+`chat_template.jinja` or the config's `chat_template` key). Templates render in a sandbox with the
+same options and helpers Hugging Face uses, so prompts tokenize identically.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the messages do not fit it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, special_tokens: dict[str, str | None], chat_template: str | None):
+        self._tokenizer = tokenizer
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> TextTokenizer:
+        """From `{"tokenizer_json": str, "tokenizer_config": dict, "chat_template": str | None}`."""
+        tokenizer = Tokenizer.from_str(payload["tokenizer_json"])
+        config = payload.get("tokenizer_config") or {}
+        template = payload.get("chat_template") or config.get("chat_template")
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        return cls(tokenizer, {n: _token_text(config.get(n)) for n in names}, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation (special tokens written out by the template)."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself, so none are added here (as transformers does).
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

@@ -1,0 +1,165 @@
+"""The engine workers behind this gateway: health, load, models, and the NDJSON stream to one.
+
+Ownership: the pool owns one `WorkerState` per configured worker URL and the model catalog it
+learns from them (each model's context length and tokenizer, fetched once from a worker's
+`/internal/tokenizer`). A background task polls every worker's `/internal/info`; a worker that
+fails a poll or a request is out of rotation until a poll succeeds again. `in_flight` counts the
+gateway's own open requests to a worker (the router's load signal); only `stream()` changes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.tokenizer import TextTokenizer
+
+log = logging.getLogger("tollway.gateway")
+
+
+class UpstreamUnavailable(Exception):
+    """The worker could not be reached or refused before streaming anything: safe to retry elsewhere."""
+
+
+class UpstreamBroken(Exception):
+    """The worker failed after the stream began: the request cannot be retried transparently."""
+
+
+class UpstreamRejected(Exception):
+    """The worker answered 4xx: the request itself is bad (retrying elsewhere cannot help)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class WorkerState:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    model: str | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    context_length: int
+    tokenizer: TextTokenizer
+
+
+class WorkerPool:
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, *, health_interval_s: float = 1.0,
+                 connect_timeout_s: float = 2.0) -> None:
+        self.workers = {url.rstrip("/"): WorkerState(url.rstrip("/")) for url in urls}
+        self.models: dict[str, ModelEntry] = {}
+        self._session = session
+        self._health_interval_s = health_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.poll_all()
+        self._task = asyncio.create_task(self._poll_forever(), name="tollway-worker-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await self.poll_all()
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(worker) for worker in self.workers.values()))
+
+    async def poll(self, worker: WorkerState) -> None:
+        """Refresh one worker's health and model; learn the model's tokenizer the first time."""
+        try:
+            async with self._session.get(f"{worker.url}/internal/info", timeout=self._poll_timeout) as response:
+                response.raise_for_status()
+                info = await response.json(loads=orjson.loads)
+            model = str(info["model"])
+            if model not in self.models:
+                async with self._session.get(f"{worker.url}/internal/tokenizer",
+                                             timeout=aiohttp.ClientTimeout(total=30)) as response:
+                    response.raise_for_status()
+                    payload = await response.json(loads=orjson.loads)
+                self.models[model] = ModelEntry(model, int(info["context_length"]), TextTokenizer.from_payload(payload))
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            self.mark_down(worker, f"health check failed: {exc!r}")
+            return
+        if not worker.healthy:
+            log.info("worker %s is up (model %s)", worker.url, model)
+        worker.healthy, worker.model, worker.last_error = True, model, None
+
+    def mark_down(self, worker: WorkerState, reason: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s is out of rotation: %s", worker.url, reason)
+        worker.healthy, worker.last_error = False, reason
+
+    def loads(self, model: str, exclude: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
+        """In-flight counts of the healthy workers serving `model` (the router's candidates)."""
+        return {w.url: w.in_flight for w in self.workers.values()
+                if w.healthy and w.model == model and w.url not in exclude}
+
+    async def stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The worker's NDJSON lines for one generate request, ending with the line carrying usage.
+
+        Raises UpstreamUnavailable (nothing streamed yet: retry elsewhere), UpstreamRejected (4xx),
+        or UpstreamBroken (the stream broke after it began). Closing the iterator early closes the
+        connection, which aborts the request on the worker.
+        """
+        worker = self.workers[url]
+        worker.in_flight += 1
+        started = False
+        try:
+            try:
+                response = await self._session.post(f"{url}/internal/generate", data=orjson.dumps(body),
+                                                    headers={"Content-Type": "application/json"},
+                                                    timeout=self._timeout)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.mark_down(worker, f"request failed: {exc!r}")
+                raise UpstreamUnavailable(str(exc)) from exc
+            async with response:
+                if 400 <= response.status < 500:
+                    raise UpstreamRejected(response.status, await _error_message(response))
+                if response.status != 200:
+                    raise UpstreamUnavailable(f"worker answered {response.status}")
+                try:
+                    async for line in response.content:
+                        if not line.strip():
+                            continue
+                        message = orjson.loads(line)
+                        started = True
+                        yield message
+                        if "usage" in message:
+                            return
+                except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+                    self.mark_down(worker, f"stream broke: {exc!r}")
+                    raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
+                error = UpstreamBroken if started else UpstreamUnavailable
+                self.mark_down(worker, "stream ended without usage")
+                raise error("the worker closed the stream before the request finished")
+        finally:
+            worker.in_flight -= 1
+
+
+async def _error_message(response: aiohttp.ClientResponse) -> str:
+    try:
+        return str((await response.json(loads=orjson.loads))["error"]["message"])
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError):
+        return f"the worker refused the request ({response.status})"

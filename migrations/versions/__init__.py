@@ -1,0 +1,1 @@
+"""Alembic migration scripts, applied in order by accounting.db.upgrade_database."""

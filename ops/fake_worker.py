@@ -1,0 +1,278 @@
+"""A TEST DOUBLE of an engine worker, for gateway tests and benchmarks. It runs no model.
+
+It serves the same internal HTTP API as the real worker (`workers/server.py`), with the same
+request validation, 400 shape, NDJSON stream shape and `/internal/info` keys, but streams canned
+tokens at once (or every `delay_s`): token i of each choice has id i and text " tok{i}", the last
+one finishes with "length", and the request's last line adds usage. Sampling fields other than
+`max_tokens`, `n` and `logprobs` are validated and then ignored. Hooks for gateway tests: every
+received JSON body is recorded in `requests`; `fail_after_tokens` drops the connection after that
+many lines (a worker dying mid-stream); `healthy = False` makes `/healthz` answer 503.
+
+`GET /internal/tokenizer` serves a tiny character-level tokenizer (printable ASCII, newline and
+tab, plus ChatML special tokens) with a ChatML chat template, in the real route's shape.
+
+    python -m ops.fake_worker --port 8101     # one fake worker, e.g. behind a gateway benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from workers.engine.params import SamplingParams  # a plain dataclass: no torch, no model
+
+SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+TUPLE_FIELDS = frozenset({"stop", "stop_token_ids"})
+PRIORITIES = frozenset({"INTERACTIVE", "BATCH"})
+
+
+@dataclass
+class FakeWorker:
+    """State and knobs of one fake worker; tests may change the knobs while it serves."""
+
+    model: str = "smollm2-135m-instruct"
+    context_length: int = 8192
+    delay_s: float = 0.0  # sleep before each streamed line
+    fail_after_tokens: int | None = None  # drop the connection after this many lines
+    healthy: bool = True  # False: /healthz answers 503 (generation still works)
+    # (namespace, prompt_token_ids) -> the cached_tokens to report; None reports 0.
+    cached_tokens: Callable[[str, list[int]], int] | None = None
+    vocab_size: int = 49_152  # prompt token ids must be in [0, vocab_size), as on the real worker
+    block_size: int = 8
+    num_blocks: int = 1024
+    requests: list[Any] = field(default_factory=list)  # every JSON body received, in order
+    running: set[str] = field(default_factory=set)  # request ids streaming now
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> choices
+    cache: dict[str, dict[str, int]] = field(default_factory=dict)  # namespace -> stats, as the real info
+    totals: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "cached": 0, "completion": 0})
+
+    def info(self) -> dict[str, Any]:
+        """The real worker's `/internal/info` keys, with plausible idle values."""
+        return {
+            "model": self.model, "dtype": "fake", "context_length": self.context_length,
+            "block_size": self.block_size,
+            "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
+            "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},
+            "finished": dict(self.finished), "running": len(self.running), "waiting": 0,
+        }
+
+
+FAKE_WORKER_KEY = web.AppKey("fake_worker", FakeWorker)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    """As the real worker: unknown fields, wrong types and bad values are the caller's 400."""
+    if raw is None:
+        return SamplingParams(max_tokens=16)
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling must be an object")
+    unknown = set(raw) - SAMPLING_FIELDS
+    if unknown:
+        raise BadRequest(f"unknown sampling fields: {', '.join(sorted(unknown))}")
+    values = dict(raw)
+    for name in TUPLE_FIELDS & set(values):
+        if isinstance(values[name], str):
+            values[name] = [values[name]]
+        if not isinstance(values[name], list):
+            raise BadRequest(f"sampling.{name} must be a list")
+        values[name] = tuple(values[name])
+    for name, value in values.items():
+        if name not in TUPLE_FIELDS and value is not None and not isinstance(value, int | float):
+            raise BadRequest(f"sampling.{name} must be a number")
+    values.setdefault("max_tokens", 16)  # the double's default (the real engine's is 256)
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from exc
+
+
+def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams]:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    request_id, namespace = body.get("request_id"), body.get("namespace", "default")
+    if not isinstance(request_id, str) or not request_id:
+        raise BadRequest("request_id must be a non-empty string")
+    if not isinstance(namespace, str) or not namespace:
+        raise BadRequest("namespace must be a non-empty string")
+    prompt = body.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise BadRequest("prompt_token_ids must be a list of integers")
+    if str(body.get("priority", "interactive")).upper() not in PRIORITIES:
+        raise BadRequest("priority must be 'interactive' or 'batch'")
+    params = parse_sampling(body.get("sampling"))
+    # The engine's checks (Engine.validate_request), in its order.
+    if not prompt:
+        raise BadRequest("the prompt has no tokens")
+    if any(not 0 <= t < worker.vocab_size for t in prompt):
+        raise BadRequest(f"prompt token ids must be in [0, {worker.vocab_size})")
+    if len(prompt) >= worker.context_length:
+        raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
+    if request_id in worker.running:
+        raise BadRequest(f"request id {request_id!r} is already running")
+    return request_id, namespace, prompt, params
+
+
+def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: SamplingParams) -> list[dict[str, Any]]:
+    """Every line of one request's stream, choices interleaved step by step as the engine does."""
+    steps = min(params.max_tokens, worker.context_length - len(prompt))
+    lines = []
+    for i in range(steps):
+        for index in range(params.n):
+            line: dict[str, Any] = {"index": index, "token_ids": [i], "text": f" tok{i}",
+                                    "finish_reason": "length" if i == steps - 1 else None}
+            if params.logprobs is not None:  # the chosen token's logprob, then the top k as [id, logprob]
+                line["logprobs"] = [-0.5]
+                line["top_logprobs"] = [[[i + j, -0.5 - j] for j in range(params.logprobs)]]
+            lines.append(line)
+    cached = worker.cached_tokens(namespace, prompt) if worker.cached_tokens else 0
+    lines[-1]["usage"] = {"prompt_tokens": len(prompt), "cached_tokens": cached,
+                          "completion_tokens": steps * params.n}
+    return lines
+
+
+def _account(worker: FakeWorker, namespace: str, usage: dict[str, int], choices: int) -> None:
+    stats = worker.cache.setdefault(
+        namespace, {"hit_tokens": 0, "miss_tokens": 0, "inserted_tokens": 0, "evicted_tokens": 0})
+    miss = usage["prompt_tokens"] - usage["cached_tokens"]
+    stats["hit_tokens"] += usage["cached_tokens"]
+    stats["miss_tokens"] += miss
+    stats["inserted_tokens"] += miss
+    worker.finished["length"] = worker.finished.get("length", 0) + choices
+    worker.totals["prompt"] += usage["prompt_tokens"]
+    worker.totals["cached"] += usage["cached_tokens"]
+    worker.totals["completion"] += usage["completion_tokens"]
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    worker = request.app[FAKE_WORKER_KEY]
+    try:
+        body = await request.json(loads=orjson.loads)
+    except (orjson.JSONDecodeError, UnicodeDecodeError):
+        return error(400, "the body is not valid JSON")
+    worker.requests.append(body)
+    try:
+        request_id, namespace, prompt, params = parse_generate(worker, body)
+    except BadRequest as exc:
+        return error(400, str(exc))
+    lines = _lines(worker, namespace, prompt, params)
+    worker.running.add(request_id)
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await response.prepare(request)
+        for sent, line in enumerate(lines):
+            if sent == worker.fail_after_tokens:
+                if request.transport is not None:
+                    request.transport.abort()  # the worker "dies": no more bytes, no chunked end
+                return response
+            if worker.delay_s > 0:
+                await asyncio.sleep(worker.delay_s)
+            await response.write(orjson.dumps(line) + b"\n")
+        _account(worker, namespace, lines[-1]["usage"], params.n)
+        await response.write_eof()
+    except ConnectionResetError:  # the caller hung up: nothing more to send
+        pass
+    finally:
+        worker.running.discard(request_id)
+    return response
+
+
+async def info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FAKE_WORKER_KEY].info())
+
+
+@functools.cache
+def fake_tokenizer_files() -> tuple[str, dict[str, Any]]:
+    """(tokenizer.json text, tokenizer_config) of the tiny tokenizer; built on first use."""
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    # BPE with no merges and no pre-tokenizer = one token per character; others become <unk>.
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()  # join characters back without spaces
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    return tokenizer.to_str(), config
+
+
+async def tokenizer(request: web.Request) -> web.Response:
+    tokenizer_json, config = fake_tokenizer_files()
+    payload = {"model": request.app[FAKE_WORKER_KEY].model, "tokenizer_json": tokenizer_json,
+               "tokenizer_config": dict(config), "chat_template": CHAT_TEMPLATE}
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    if not request.app[FAKE_WORKER_KEY].healthy:
+        return web.json_response({"status": "unhealthy"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    worker = request.app[FAKE_WORKER_KEY]
+    text = "".join(
+        f"# TYPE {name} {kind}\n{name}{suffix} {float(value)}\n" for name, kind, suffix, value in (
+            ("tollway_worker_running_requests", "gauge", "", len(worker.running)),
+            ("tollway_worker_waiting_requests", "gauge", "", 0),
+            ("tollway_worker_prompt_tokens", "counter", "_total", worker.totals["prompt"]),
+            ("tollway_worker_cached_prompt_tokens", "counter", "_total", worker.totals["cached"]),
+            ("tollway_worker_completion_tokens", "counter", "_total", worker.totals["completion"]),
+        ))
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> web.Application:
+    """The fake worker's app; pass a `FakeWorker` to keep a handle on it, or its fields as options.
+
+    The state is also at `app[FAKE_WORKER_KEY]`.
+    """
+    if worker is not None and options:
+        raise TypeError("pass either a FakeWorker or its options, not both")
+    app = web.Application(client_max_size=16 * 2**20)
+    app[FAKE_WORKER_KEY] = worker if worker is not None else FakeWorker(**options)
+    app.router.add_post("/internal/generate", generate)
+    app.router.add_get("/internal/info", info)
+    app.router.add_get("/internal/tokenizer", tokenizer)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A fake engine worker (test double: canned tokens, no model).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--context-length", type=int, default=8192)
+    parser.add_argument("--delay-s", type=float, default=0.0, help="seconds before each streamed token")
+    args = parser.parse_args(argv)
+    app = create_fake_worker_app(model=args.model, context_length=args.context_length, delay_s=args.delay_s)
+    print(f"fake worker (test double, no model) as {args.model!r} on http://{args.host}:{args.port}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

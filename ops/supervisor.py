@@ -1,0 +1,166 @@
+"""`tollway up`: one supervisor process running the gateway and the engine workers.
+
+Ownership: the supervisor owns its children. Each child is a `tollway` subcommand in its own
+process with its output in `$TOLLWAY_HOME/logs/<name>.log`. A child that exits while the
+supervisor runs is restarted after a backoff that doubles up to 30 s (reset once it has stayed up
+for a minute). Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff_s: float = field(default=1.0)
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
+        log.flush()
+        # A new session: a Ctrl-C in the terminal reaches the supervisor only, which stops children in order.
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+
+def _tollway(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ops.cli", *args]
+
+
+def plan_children(home: Path, port: int, num_workers: int, worker_port: int) -> list[Child]:
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // num_workers)
+    env = {**os.environ, "TOLLWAY_HOME": str(home)}
+    urls = ",".join(f"http://127.0.0.1:{worker_port + i}" for i in range(num_workers))
+    children = [
+        Child(f"worker-{i}", _tollway("worker", "--port", str(worker_port + i)),
+              {**env, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
+              logs / f"worker-{i}.log")
+        for i in range(num_workers)
+    ]
+    children.append(Child("gateway", _tollway("gateway", "--port", str(port)),
+                          {**env, "TOLLWAY_WORKER_URLS": urls}, logs / "gateway.log"))
+    return children
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200 and b'"workers_healthy": 0' not in response.read()
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], console: Console) -> None:
+        self.children = children
+        self.console = console
+        self.stopping = False
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+
+    def _tend(self, child: Child) -> None:
+        now = time.monotonic()
+        if child.alive():
+            if now - child.started_at > STABLE_AFTER_S:
+                child.backoff_s = 1.0
+            return
+        if child.process is not None and child.next_start == 0.0:
+            code = child.process.returncode
+            self.console.print(f"[yellow]{child.name} exited with status {code}; restarting in "
+                               f"{child.backoff_s:.0f} s[/] (log: {child.log_path})")
+            child.next_start = now + child.backoff_s
+            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            return
+        if now >= child.next_start:
+            child.restarts += child.process is not None
+            child.next_start = 0.0
+            child.start()
+
+    def run(self, ready_url: str, on_ready: str) -> int:
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)
+        for child in self.children:
+            child.start()
+        announced = False
+        with self.console.status("starting workers and gateway (the first start converts the model, ~20 s)…"):
+            while not self.stopping and not announced:
+                for child in self.children:
+                    self._tend(child)
+                announced = _ready(ready_url)
+                time.sleep(0.5)
+        if announced:
+            self.console.print(on_ready)
+        while not self.stopping:
+            for child in self.children:
+                self._tend(child)
+            time.sleep(0.5)
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        self.console.print("stopping…")
+        for child in reversed(self.children):  # the gateway first: no new requests reach the workers
+            child.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.console.print("stopped.")
+        return 0
+
+
+def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> int:
+    """Prepare the state folder (database schema, admin key), then supervise until stopped."""
+    from accounting.db import upgrade_database
+    from accounting.settings import AccountingSettings
+    from gateway.auth import load_or_create_admin_key
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    home = settings.home.resolve()
+    upgrade_database(AccountingSettings(home=home, database_url=settings.database_url).url)
+    _, key_path = load_or_create_admin_key(settings.admin_key, home)
+    where = f"in {key_path}" if key_path else "from TOLLWAY_ADMIN_KEY"
+    ready = (f"[green]tollway is up[/]: http://127.0.0.1:{port}/v1 (OpenAI-compatible), "
+             f"{num_workers} engine worker(s); admin key {where}; logs in {home / 'logs'}. Ctrl-C stops.")
+    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port), console)
+    return supervisor.run(f"http://127.0.0.1:{port}/healthz", ready)

@@ -1,0 +1,99 @@
+"""The Alembic migrations: up, down and up again, and in step with accounting.models."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, inspect, text
+
+from accounting.db import create_db_engine, current_revision, downgrade_database, upgrade_database
+from accounting.models import Base
+
+EXPECTED_COLUMNS = {
+    "tenants": {"id", "name", "disabled", "rpm", "tpm", "max_concurrent", "monthly_token_budget",
+                "created_at", "updated_at"},
+    "api_keys": {"id", "tenant_id", "name", "key_hash", "prefix", "created_at", "revoked_at", "expires_at",
+                 "rpm", "tpm"},
+}
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = create_db_engine(f"sqlite:///{tmp_path / 'tollway.db'}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def postgres_engine(postgres_url: str) -> Iterator[Engine]:
+    """An engine whose connections live in a fresh schema (other tests share the database)."""
+    schema = f"tollway_migrations_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url)
+    try:
+        with admin.begin() as connection:
+            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    except Exception as error:  # the port is open but the database is unusable
+        admin.dispose()
+        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
+    engine = create_engine(postgres_url, pool_pre_ping=True,
+                           connect_args={"options": f"-csearch_path={schema}"})
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+def assert_schema_at_head(engine: Engine) -> None:
+    assert current_revision(engine) is not None
+    inspector = inspect(engine)
+    tables = set(inspector.get_table_names())
+    assert set(EXPECTED_COLUMNS) <= tables
+    for table, columns in EXPECTED_COLUMNS.items():
+        assert {c["name"] for c in inspector.get_columns(table)} == columns
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+
+
+def assert_schema_empty(engine: Engine) -> None:
+    assert current_revision(engine) is None
+    assert not set(EXPECTED_COLUMNS) & set(inspect(engine).get_table_names())
+
+
+def up_down_up(engine: Engine) -> None:
+    assert_schema_empty(engine)
+    upgrade_database(engine)
+    assert_schema_at_head(engine)
+    downgrade_database(engine)
+    assert_schema_empty(engine)
+    upgrade_database(engine)
+    assert_schema_at_head(engine)
+
+
+def test_migrations_on_sqlite(sqlite_engine: Engine) -> None:
+    up_down_up(sqlite_engine)
+
+
+def test_migrations_on_sqlite_by_url(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'by-url.db'}"
+    upgrade_database(url)
+    engine = create_db_engine(url)
+    try:
+        assert_schema_at_head(engine)
+        downgrade_database(url)
+        assert_schema_empty(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.services
+def test_migrations_on_postgresql(postgres_engine: Engine) -> None:
+    up_down_up(postgres_engine)
