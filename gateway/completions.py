@@ -109,12 +109,19 @@ async def handle(request: web.Request, kind: Literal["chat", "completion"]) -> w
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     namespace = f"tenant-{record.tenant_id}"  # set here, from the key: clients never choose it
     body = worker_body(request_id, namespace, prompt, params, max_tokens)
-    first, lines = await open_stream(app, entry.name, namespace, prompt, body)
     builder = ResponseBuilder(kind, request_id, entry.name, int(time.time()), entry.tokenizer,
                               params.logprobs is not None)
     if params.stream:
+        first, lines = await open_stream(app, entry.name, namespace, prompt, body)
         return await stream_events(request, builder, params, first, lines)
-    return await collect(builder, first, lines)
+    # Nothing reaches the client before the end, so a worker lost midway costs a retry, not an error.
+    for _ in range(app[SETTINGS].max_attempts):
+        first, lines = await open_stream(app, entry.name, namespace, prompt, body)
+        try:
+            return await collect(builder, first, lines)
+        except UpstreamBroken:
+            builder.choices.clear()
+    raise ApiError(502, "engine workers failed mid-request on every attempt; retry later", code="worker_failed")
 
 
 def _failed(delta: dict[str, Any]) -> bool:
@@ -123,6 +130,7 @@ def _failed(delta: dict[str, Any]) -> bool:
 
 async def collect(builder: ResponseBuilder, first: dict[str, Any],
                   lines: AsyncIterator[dict[str, Any]]) -> web.Response:
+    """The whole answer as one JSON object; raises UpstreamBroken if the worker stream breaks."""
     delta: dict[str, Any] | None = first
     try:
         while delta is not None:
@@ -132,11 +140,9 @@ async def collect(builder: ResponseBuilder, first: dict[str, Any],
             if "usage" in delta:
                 return web.Response(body=orjson.dumps(builder.final(delta["usage"])), content_type="application/json")
             delta = await anext(lines, None)
-    except UpstreamBroken as exc:
-        raise ApiError(502, f"the engine worker failed mid-request: {exc}", code="worker_failed") from exc
     finally:
         await lines.aclose()
-    raise ApiError(502, "the engine worker ended the request without a result", code="worker_failed")
+    raise UpstreamBroken("the engine worker ended the request without a result")
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -8,6 +8,7 @@ for a minute). Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from rich.console import Console
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -43,7 +45,8 @@ class Child:
         log.flush()
         # A new session: a Ctrl-C in the terminal reaches the supervisor only, which stops children in order.
         self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         log.close()
         self.started_at = time.monotonic()
 
@@ -53,6 +56,13 @@ class Child:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the supervisor dies, even by SIGKILL (Linux only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tollway(*args: str) -> list[str]:

@@ -133,7 +133,8 @@ async def info(request: web.Request) -> web.Response:
 async def tokenizer(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY].engine
     payload = {"model": engine.name, **tokenizer_payload(engine.loaded.folder)}
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+    # stdlib json: tokenizer configs hold integers beyond 64 bits (model_max_length = 1e30)
+    return web.Response(text=json.dumps(payload), content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:

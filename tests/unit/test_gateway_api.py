@@ -17,7 +17,7 @@ from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.tenants import create_key, create_tenant
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway.state import POOL
+from gateway.state import POOL, ROUTER
 from ops.fake_worker import FakeWorker, create_fake_worker_app
 
 pytestmark = pytest.mark.asyncio
@@ -215,9 +215,21 @@ async def test_a_stream_that_breaks_midway_ends_with_an_error_event(aiohttp_clie
     assert "[DONE]" not in events
     assert json.loads(events[-1])["error"]["code"] == "worker_failed"
 
-    await client.app[POOL].poll_all()  # the break took it out of rotation; its next health check passes
-    response = await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=8))
-    assert response.status == 502 and (await response.json())["error"]["code"] == "worker_failed"
+
+async def test_a_non_streamed_request_survives_a_worker_lost_midway(aiohttp_client, aiohttp_server, tmp_path) -> None:
+    dying, good = FakeWorker(fail_after_tokens=2), FakeWorker()
+    urls = [str((await aiohttp_server(create_fake_worker_app(w))).make_url("")).rstrip("/") for w in (dying, good)]
+    _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db")
+    client = await start_gateway(aiohttp_client, tmp_path, urls)
+    # Route to the dying worker whenever it is in rotation, so each request meets the failure first.
+    client.app[ROUTER].choose = lambda namespace, ids, loads: urls[0] if urls[0] in loads else next(iter(loads))
+    auth = {"Authorization": f"Bearer {key}"}
+    for _ in range(3):
+        await client.app[POOL].poll_all()  # both in rotation
+        response = await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=8))
+        assert response.status == 200, await response.text()
+        assert (await response.json())["choices"][0]["message"]["content"].count("tok") == 8
+    assert len(dying.requests) == 3 and len(good.requests) == 3
 
 
 async def test_admin_manages_tenants_and_keys_and_revocation_is_immediate(setup) -> None:

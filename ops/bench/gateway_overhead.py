@@ -1,0 +1,525 @@
+"""Gateway overhead: the latency the gateway adds over calling an engine worker directly, and its throughput.
+
+Setup, all on 127.0.0.1: one fake engine worker (`python -m ops.fake_worker`, a test double that
+answers 8 canned tokens at once, no model) and one gateway process (`python -m ops.cli gateway`)
+in front of it, with a fresh SQLite database holding one tenant and one API key. Auth is on: every
+gateway request carries the key (a cached lookup after the first). Metering and quota enforcement
+are not built yet, so they are not in the path; `PathOptions` is where they get switched on.
+
+For each concurrency level C (closed loop: C clients, each sending its next request as soon as the
+last one ends; a 1 s warm-up, then `--seconds` measured), it measures
+  (a) direct: `POST {worker}/internal/generate` with ~20 prompt token ids, max_tokens 8, the whole
+      NDJSON body read;
+  (b) gateway: `POST {gateway}/v1/chat/completions`, non-streaming, one short user message,
+      max_tokens 8, the whole JSON body read;
+and prints requests/s, p50/p99 latency of both, the added latency (gateway - direct at p50 and at
+p99), and the gateway process's CPU time per request (utime + stime from /proc/<pid>/stat over the
+measured window). Then a streaming variant at C = 1 (SSE, `stream: true`): time to first and to
+last byte.
+
+The gateway's auth cache (TTL 5 s by default) expires during every run, as it would in production.
+The fake worker keeps every request body it gets (a test hook), so its memory grows during a run.
+
+On a small machine (e.g. 2 cores) the load generator, the gateway and the fake worker share the
+cores, so the gateway's measured requests/s is a lower bound. The honest per-request cost is the
+gateway's CPU time per request: 1 / cpu_s_per_request is what one core of gateway could serve.
+
+Goals (issue): added p50 <= 2 ms, added p99 <= 10 ms, >= 1,500 non-streaming req/s per gateway
+process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4-vCPU pod.
+
+    .venv/bin/python ops/bench/gateway_overhead.py [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
+        [--no-stream] [--quotas]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from accounting.db import create_db_engine, session_factory, upgrade_database
+from accounting.tenants import create_key, create_tenant
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TENANT = "bench"
+MAX_TOKENS = 8  # the fake worker answers exactly max_tokens tokens
+DIRECT_PROMPT_IDS = list(range(100, 120))  # ~ the ids of a short chat prompt
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+WARMUP_S = 1.0
+STARTUP_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+GOAL_ADDED_P50_MS = 2.0
+GOAL_ADDED_P99_MS = 10.0
+GOAL_RPS = 1500.0
+ANCHOR = "LiteLLM proxy: +30.6 ms p50 / +91.6 ms p99 at ~91 req/s per 4-vCPU pod (~23 req/s per vCPU)"
+
+
+@dataclass(frozen=True)
+class PathOptions:
+    """What sits in the gateway's request path during the run.
+
+    Auth is always on. `quotas` gives the tenant generous limits (never reached by this load), so
+    the quota checks run once the gateway enforces them; `metering` is where the gateway's
+    metering switch goes once it exists. Neither is enforced/built in the gateway yet.
+    """
+
+    quotas: bool = False
+    metering: bool = False
+
+    def tenant_quotas(self) -> dict[str, int]:
+        if not self.quotas:
+            return {}
+        return {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6, "monthly_token_budget": 2**31 - 1}
+
+    def gateway_env(self) -> dict[str, str]:
+        """Extra TOLLWAY_* variables for the gateway process (none exist yet for metering)."""
+        return {}
+
+    def note(self) -> str:
+        parts = ["auth (API key, cached lookup)", "validation", "chat template + tokenization",
+                 "cache-aware routing", "proxying"]
+        missing = []
+        if self.quotas:
+            parts.append("tenant quotas set (generous; not enforced by the gateway yet)")
+        else:
+            missing.append("quotas")
+        if self.metering:
+            parts.append("metering requested (not built in the gateway yet)")
+        else:
+            missing.append("metering")
+        note = "gateway path: " + ", ".join(parts)
+        if missing:
+            note += f"; NOT in the path yet: {' and '.join(missing)} (not built)"
+        return note
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_home(home: Path, options: PathOptions) -> str:
+    """Create the schema, one tenant and one key in `home`/tollway.db; returns the key (plaintext)."""
+    engine = create_db_engine(f"sqlite:///{home / 'tollway.db'}")
+    try:
+        upgrade_database(engine)
+        with session_factory(engine)() as session:
+            create_tenant(session, TENANT, **options.tenant_quotas())
+            _, key = create_key(session, TENANT, name="gateway-overhead bench")
+            session.commit()
+    finally:
+        engine.dispose()
+    return key
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Service:
+    """A child process whose output goes to a log file (shown when it dies)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env,
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.name} exited with status {self.process.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def child_env(**tollway: str) -> dict[str, str]:
+    """This environment without any inherited TOLLWAY_* setting, plus `tollway`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLWAY_")}
+    env.update(tollway)
+    return env
+
+
+async def wait_healthy(session: aiohttp.ClientSession, service: Service, url: str,
+                       ready: Callable[[dict[str, Any]], bool]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        service.check_alive()
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200 and ready(await response.json()):
+                    return
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{service.name} not healthy at {url} after {STARTUP_TIMEOUT_S:.0f} s "
+                               f"(log: {service.log_path})")
+        await asyncio.sleep(0.1)
+
+
+# --- load ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    start: float
+    end: float
+    first_byte: float
+
+
+Request = Callable[[aiohttp.ClientSession], Awaitable[float]]
+"""Sends one request and reads the whole answer; returns when the first byte came (perf_counter)."""
+
+
+def direct_request(worker_url: str) -> Request:
+    url = f"{worker_url}/internal/generate"
+    ids = itertools.count()
+    headers = {"Content-Type": "application/json"}
+
+    async def send(session: aiohttp.ClientSession) -> float:
+        body = orjson.dumps({"request_id": f"bench-{next(ids)}", "namespace": "bench",
+                             "prompt_token_ids": DIRECT_PROMPT_IDS, "sampling": {"max_tokens": MAX_TOKENS}})
+        async with session.post(url, data=body, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"worker answered {response.status}: {(await response.text())[:200]}")
+            await response.content.readany()
+            first = time.perf_counter()
+            await response.content.read()
+            return first
+
+    return send
+
+
+def gateway_request(gateway_url: str, key: str, model: str, stream: bool) -> Request:
+    url = f"{gateway_url}/v1/chat/completions"
+    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+
+    async def send(session: aiohttp.ClientSession) -> float:
+        async with session.post(url, data=body, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"gateway answered {response.status}: {(await response.text())[:200]}")
+            await response.content.readany()
+            first = time.perf_counter()
+            await response.content.read()
+            return first
+
+    return send
+
+
+@dataclass
+class RunResult:
+    target: str
+    concurrency: int
+    stream: bool
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    ttfb_p50_ms: float
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # process name -> CPU ms / request
+    first_error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def closed_loop(target: str, send: Request, concurrency: int, seconds: float, stream: bool,
+                      pids: dict[str, int]) -> RunResult:
+    """C clients back to back for WARMUP_S + `seconds`; only requests inside the measured window count."""
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1), force_close=False)
+    samples: list[Sample] = []
+    errors: list[str] = []
+    loop_start = time.perf_counter()
+    window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
+    cpu: dict[str, list[float]] = {}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while (start := time.perf_counter()) < window_end:
+            try:
+                first = await send(session)
+            except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+                if start >= window_start:
+                    errors.append(repr(exc))
+                continue
+            samples.append(Sample(start, time.perf_counter(), first))
+
+    async def cpu_meter() -> None:
+        # Read CPU times at the window's edges; includes the self process (the load generator).
+        for edge in (window_start, window_end):
+            await asyncio.sleep(max(0.0, edge - time.perf_counter()))
+            for name, pid in pids.items():
+                cpu.setdefault(name, []).append(cpu_seconds(pid))
+
+    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
+                                     auto_decompress=False) as session:
+        await asyncio.gather(cpu_meter(), *(client(session) for _ in range(concurrency)))
+
+    measured = [s for s in samples if s.start >= window_start and s.end <= window_end]
+    latencies = [s.end - s.start for s in measured]
+    ttfb = [s.first_byte - s.start for s in measured]
+    n = len(measured)
+    return RunResult(
+        target=target, concurrency=concurrency, stream=stream, requests=n, errors=len(errors),
+        seconds=seconds, rps=n / seconds, p50_ms=percentile(latencies, 0.5) * 1e3,
+        p99_ms=percentile(latencies, 0.99) * 1e3, ttfb_p50_ms=percentile(ttfb, 0.5) * 1e3,
+        cpu_ms_per_request={name: (after - before) * 1e3 / n if n else float("nan")
+                            for name, (before, after) in cpu.items()},
+        first_error=errors[0] if errors else None,
+    )
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def mark(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def littles_law_added_ms(row: dict[str, Any]) -> float:
+    c = row["concurrency"]
+    return c * 1e3 / row["gateway_rps"] - c * 1e3 / row["direct_rps"]
+
+
+def print_report(results: list[RunResult], options: PathOptions, cores: int) -> dict[str, Any]:
+    """The table and goal lines; returns the summary that --json dumps."""
+    by_key = {(r.target, r.concurrency, r.stream): r for r in results}
+    levels = sorted({r.concurrency for r in results if not r.stream})
+    print()
+    print("Non-streaming POST, max_tokens 8 (latency in ms; CPU = CPU ms per request of that process)")
+    header = (f"{'C':>4} | {'direct req/s':>12} {'p50':>7} {'p99':>7} | {'gateway req/s':>13} {'p50':>7} "
+              f"{'p99':>7} | {'added p50':>9} {'added p99':>9} | {'gw CPU':>7} {'gw req/s/core':>13} "
+              f"{'worker CPU d/g':>15} | errors d/g")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for c in levels:
+        d, g = by_key.get(("direct", c, False)), by_key.get(("gateway", c, False))
+        if d is None or g is None:
+            continue
+        gw_cpu = g.cpu_ms_per_request.get("gateway", float("nan"))
+        per_core = 1e3 / gw_cpu if gw_cpu > 0 else float("nan")  # NaN > 0 is False
+        row = {"concurrency": c, "direct_rps": d.rps, "direct_p50_ms": d.p50_ms, "direct_p99_ms": d.p99_ms,
+               "gateway_rps": g.rps, "gateway_p50_ms": g.p50_ms, "gateway_p99_ms": g.p99_ms,
+               "added_p50_ms": g.p50_ms - d.p50_ms, "added_p99_ms": g.p99_ms - d.p99_ms,
+               "gateway_cpu_ms_per_request": gw_cpu, "gateway_rps_per_core": per_core,
+               "worker_cpu_ms_per_request_direct": d.cpu_ms_per_request.get("worker", float("nan")),
+               "worker_cpu_ms_per_request_gateway": g.cpu_ms_per_request.get("worker", float("nan")),
+               "errors_direct": d.errors, "errors_gateway": g.errors}
+        rows.append(row)
+        print(f"{c:>4} | {d.rps:>12,.0f} {d.p50_ms:>7.2f} {d.p99_ms:>7.2f} | {g.rps:>13,.0f} {g.p50_ms:>7.2f} "
+              f"{g.p99_ms:>7.2f} | {row['added_p50_ms']:>+9.2f} {row['added_p99_ms']:>+9.2f} | {gw_cpu:>7.3f} "
+              f"{per_core:>13,.0f} {row['worker_cpu_ms_per_request_direct']:>7.3f}/"
+              f"{row['worker_cpu_ms_per_request_gateway']:<7.3f} | {d.errors}/{g.errors}")
+    for r in results:
+        if r.first_error:
+            print(f"  first error ({r.target}, C={r.concurrency}{', stream' if r.stream else ''}): {r.first_error}")
+
+    streaming = [r for r in results if r.stream]
+    if streaming:
+        print()
+        print("Streaming at C=1 (gateway: SSE, stream=true; direct: the worker's NDJSON stream), ms")
+        for r in streaming:
+            print(f"  {r.target:8} first byte p50 {r.ttfb_p50_ms:6.2f}   last byte p50 {r.p50_ms:6.2f} "
+                  f"p99 {r.p99_ms:6.2f}   ({r.rps:,.0f} req/s, errors {r.errors})")
+        d, g = by_key.get(("direct", 1, True)), by_key.get(("gateway", 1, True))
+        if d and g:
+            print(f"  added: first byte p50 {g.ttfb_p50_ms - d.ttfb_p50_ms:+.2f}, last byte p50 "
+                  f"{g.p50_ms - d.p50_ms:+.2f}, p99 {g.p99_ms - d.p99_ms:+.2f}; gateway CPU "
+                  f"{g.cpu_ms_per_request.get('gateway', float('nan')):.3f} ms/request")
+
+    print()
+    print(f"Goals: added p50 <= {GOAL_ADDED_P50_MS:g} ms, added p99 <= {GOAL_ADDED_P99_MS:g} ms, "
+          f">= {GOAL_RPS:,.0f} non-streaming req/s per gateway process.  Anchor: {ANCHOR}.")
+    for row in rows:
+        print(f"  C={row['concurrency']:<4} added p50 {row['added_p50_ms']:+.2f} ms "
+              f"({mark(row['added_p50_ms'] <= GOAL_ADDED_P50_MS)}), added p99 {row['added_p99_ms']:+.2f} ms "
+              f"({mark(row['added_p99_ms'] <= GOAL_ADDED_P99_MS)})")
+    if rows:
+        best = max(rows, key=lambda row: row["gateway_rps"])
+        print(f"  throughput: best measured {best['gateway_rps']:,.0f} req/s at C={best['concurrency']} "
+              f"({mark(best['gateway_rps'] >= GOAL_RPS)}; a lower bound here), gateway CPU "
+              f"{best['gateway_cpu_ms_per_request']:.3f} ms/request there = {best['gateway_rps_per_core']:,.0f} "
+              f"req/s per core of gateway ({mark(best['gateway_rps_per_core'] >= GOAL_RPS)})")
+    predicted = [f"C={row['concurrency']} {littles_law_added_ms(row):+.1f} ms" for row in rows
+                 if row["concurrency"] > 1 and row["gateway_rps"] > 0 and row["direct_rps"] > 0]
+    if predicted:
+        print("  Little's law (closed loop: mean latency = C / req/s) predicts the added latency from throughput "
+              f"alone: {', '.join(predicted)}; where that matches, the added latency is queueing behind a "
+              "saturated gateway, not per-request path length.")
+    print()
+    print(f"Note: {options.note()}.")
+    print(f"Note: {cores} cores here, shared by the load generator (this process), the gateway and the fake "
+          "worker, so measured gateway req/s is a lower bound and latency at high C includes waiting for a "
+          "core; 'gw req/s/core' = 1 / gateway CPU s per request is the per-process capacity on one free core.")
+    return {"rows": rows, "runs": [asdict(r) for r in results], "note": options.note(), "cores": cores,
+            "goals": {"added_p50_ms": GOAL_ADDED_P50_MS, "added_p99_ms": GOAL_ADDED_P99_MS, "rps": GOAL_RPS},
+            "anchor": ANCHOR}
+
+
+def finite(value: Any) -> Any:
+    """`value` with NaN/inf floats (e.g. no request in a window) as None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+async def sanity_check(session: aiohttp.ClientSession, worker_url: str, gateway_url: str, key: str,
+                       model: str) -> None:
+    """One request each way, checked, before timing anything."""
+    body = {"request_id": "bench-check", "namespace": "bench", "prompt_token_ids": DIRECT_PROMPT_IDS,
+            "sampling": {"max_tokens": MAX_TOKENS}}
+    async with session.post(f"{worker_url}/internal/generate", json=body) as response:
+        lines = [orjson.loads(line) for line in (await response.read()).splitlines() if line.strip()]
+    if response.status != 200 or lines[-1].get("usage", {}).get("completion_tokens") != MAX_TOKENS:
+        raise RuntimeError(f"unexpected direct answer ({response.status}): {lines[-1:]}")
+    async with session.post(f"{gateway_url}/v1/chat/completions",
+                            json={"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS},
+                            headers={"Authorization": f"Bearer {key}"}) as response:
+        answer = await response.json()
+    if response.status != 200 or answer.get("usage", {}).get("completion_tokens") != MAX_TOKENS:
+        raise RuntimeError(f"unexpected gateway answer ({response.status}): {answer}")
+
+
+async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> list[RunResult]:
+    key = prepare_home(home, options)
+    worker_port, gateway_port = free_port(), free_port()
+    worker_url, gateway_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gateway_port}"
+    services: list[Service] = []
+    try:
+        worker = Service("fake worker", ["-m", "ops.fake_worker", "--port", str(worker_port)],
+                         child_env(), home / "worker.log")
+        services.append(worker)
+        gateway = Service("gateway", ["-m", "ops.cli", "gateway", "--port", str(gateway_port)],
+                          child_env(TOLLWAY_HOME=str(home), TOLLWAY_WORKER_URLS=worker_url,
+                                    TOLLWAY_ADMIN_KEY="tw-admin-" + secrets.token_urlsafe(24),
+                                    TOLLWAY_HEALTH_INTERVAL_S="1", **options.gateway_env()),
+                          home / "gateway.log")
+        services.append(gateway)
+        async with aiohttp.ClientSession() as session:
+            await wait_healthy(session, worker, f"{worker_url}/healthz", lambda _: True)
+            await wait_healthy(session, gateway, f"{gateway_url}/healthz",
+                               lambda body: body.get("workers_healthy", 0) >= 1)
+            async with session.get(f"{worker_url}/internal/info") as response:
+                model = (await response.json())["model"]
+            await sanity_check(session, worker_url, gateway_url, key, model)
+        print(f"fake worker pid {worker.pid} at {worker_url}; gateway pid {gateway.pid} at {gateway_url}; "
+              f"model {model!r}; warm-up {WARMUP_S:g} s + {args.seconds:g} s per run", flush=True)
+
+        pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid()}
+        plan: list[tuple[str, Request, int, bool]] = []
+        for c in args.concurrency:
+            plan.append(("direct", direct_request(worker_url), c, False))
+            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False), c, False))
+        if not args.no_stream:
+            plan.append(("direct", direct_request(worker_url), 1, True))
+            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=True), 1, True))
+        results = []
+        for target, send, c, stream in plan:
+            for service in services:
+                service.check_alive()
+            result = await closed_loop(target, send, c, args.seconds, stream, pids)
+            results.append(result)
+            print(f"  {target:8} C={c:<4}{' stream' if stream else '       '} {result.rps:9,.0f} req/s  "
+                  f"p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}", flush=True)
+        return results
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(part) for part in text.split(",") if part.strip()]
+    if not levels or any(c < 1 for c in levels):
+        raise argparse.ArgumentTypeError("give positive integers, e.g. 1,64,256")
+    return levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run (after a 1 s warm-up)")
+    parser.add_argument("--concurrency", type=parse_levels, default=[1, 64, 256], help="closed-loop client counts")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="also dump the results as JSON (to stdout, or to PATH)")
+    parser.add_argument("--no-stream", action="store_true", help="skip the streaming run at C=1")
+    parser.add_argument("--quotas", action="store_true",
+                        help="give the tenant generous quotas (exercises quota checks once the gateway enforces them)")
+    args = parser.parse_args()
+    options = PathOptions(quotas=args.quotas)
+    try:
+        import uvloop  # optional: used only when installed (not a dependency)
+
+        uvloop.install()
+        loop_name = "uvloop"
+    except ImportError:
+        loop_name = "asyncio"
+    cores = len(os.sched_getaffinity(0))
+    print(f"gateway overhead benchmark: {cores} cores, client event loop {loop_name}; {options.note()}", flush=True)
+    home = Path(tempfile.mkdtemp(prefix="tollway-bench-"))
+    try:
+        results = asyncio.run(run(args, home, options))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    summary = print_report(results, options, cores)
+    text = json.dumps(finite(summary), indent=2)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+        print(f"results written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
