@@ -47,14 +47,42 @@ class KeyCache:
         self._sessions = sessions
         self._ttl_s = ttl_s
         self._entries: dict[str, tuple[AuthRecord | None, float]] = {}
+        # One database lookup per key at a time: concurrent requests with the same key share it.
+        self._pending: dict[str, asyncio.Future[AuthRecord | None]] = {}  # key hash → the lookup in flight
+        self._generation = 0
 
     def invalidate(self) -> None:
-        """Forget every cached key (revocations are rare; refilling is cheap)."""
+        """Forget every cached key (revocations are rare; refilling is cheap).
+
+        Lookups already in flight may have read the database before the change: they still answer
+        their waiters but are not cached (the generation moved on).
+        """
+        self._generation += 1
         self._entries.clear()
+        self._pending.clear()
 
     def _lookup(self, key_hash: str) -> AuthRecord | None:
         with self._sessions() as session:
             return authenticate(session, key_hash)
+
+    async def _lookup_once(self, key_hash: str) -> AuthRecord | None:
+        task = self._pending.get(key_hash)
+        if task is None:
+            task = self._pending[key_hash] = asyncio.ensure_future(asyncio.to_thread(self._lookup, key_hash))
+            generation = self._generation
+            task.add_done_callback(lambda done: self._store(key_hash, done, generation))
+        # shield: a waiter that is cancelled (client gone) does not cancel the lookup others share
+        return await asyncio.shield(task)
+
+    def _store(self, key_hash: str, done: asyncio.Future[AuthRecord | None], generation: int) -> None:
+        if generation != self._generation:
+            return
+        del self._pending[key_hash]
+        if done.cancelled() or done.exception() is not None:
+            return
+        record = done.result()
+        ttl = self._ttl_s if record is not None else NEGATIVE_TTL_S
+        self._entries[key_hash] = (record, time.monotonic() + ttl)
 
     async def authenticate(self, key: str | None) -> AuthRecord:
         if not key:
@@ -65,8 +93,7 @@ class KeyCache:
         if cached is not None and cached[1] > now:
             record = cached[0]
         else:
-            record = await asyncio.to_thread(self._lookup, key_hash)
-            self._entries[key_hash] = (record, now + (self._ttl_s if record is not None else NEGATIVE_TTL_S))
+            record = await self._lookup_once(key_hash)
         if record is None or (record.expires_at is not None and record.expires_at <= datetime.now(UTC)):
             raise ApiError(401, "invalid, revoked or expired API key", code="invalid_api_key")
         return record

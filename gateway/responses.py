@@ -76,7 +76,10 @@ class ResponseBuilder:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
 
     def _choice(self, index: int) -> ChoiceState:
-        return self.choices.setdefault(index, ChoiceState())
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = ChoiceState()
+        return state
 
     def _logprobs_of(self, delta: dict[str, Any], state: ChoiceState) -> Any:
         if not self.logprobs or delta.get("logprobs") is None:

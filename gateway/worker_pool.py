@@ -140,14 +140,18 @@ class WorkerPool:
                 if response.status != 200:
                     raise UpstreamUnavailable(f"worker answered {response.status}")
                 try:
-                    async for line in response.content:
-                        if not line.strip():
-                            continue
-                        message = orjson.loads(line)
-                        started = True
-                        yield message
-                        if "usage" in message:
-                            return
+                    # Lines that arrive together are parsed together: one wakeup per network read.
+                    pending = b""
+                    async for chunk in response.content.iter_any():
+                        *lines, pending = (pending + chunk).split(b"\n")
+                        for line in lines:
+                            if not line.strip():
+                                continue
+                            message = orjson.loads(line)
+                            started = True
+                            yield message
+                            if "usage" in message:
+                                return
                 except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
                     self.mark_down(worker, f"stream broke: {exc!r}")
                     raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
