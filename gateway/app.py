@@ -113,7 +113,16 @@ def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True)
     return app
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (it is a dependency off Windows), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def run_gateway(settings: GatewaySettings) -> None:
     app = create_app(settings)
-    web.run_app(app, host=settings.host, port=settings.port, print=None,
+    web.run_app(app, host=settings.host, port=settings.port, print=None, loop=new_event_loop(),
                 access_log=aiohttp.web.access_logger if settings.access_log else None)

@@ -31,8 +31,13 @@ def _stderr() -> Console:
 
 
 @contextmanager
-def _session() -> Iterator[Session]:
-    """A transaction on the migrated accounting database; AccountingError → message and exit 1."""
+def _session(invalidates: bool = False) -> Iterator[Session]:
+    """A transaction on the migrated accounting database; AccountingError → message and exit 1.
+
+    `invalidates`: the change can refuse keys that gateways hold in their caches, so after the
+    commit every gateway replica is told to drop them (via Redis when TOLLWAY_REDIS_URL is set;
+    otherwise their cache TTL bounds the delay).
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
@@ -46,6 +51,11 @@ def _session() -> Iterator[Session]:
         upgrade_database(engine)
         with session_factory(engine).begin() as session:
             yield session
+        if invalidates:
+            from gateway.auth import publish_invalidation
+            from gateway.settings import GatewaySettings
+
+            publish_invalidation(GatewaySettings().redis_url)
     except AccountingError as error:
         _stderr().print(f"[red]error:[/] {escape(str(error))}")
         sys.exit(ERROR_EXIT_CODE)
@@ -127,7 +137,7 @@ def tenants_update(name: str, unlimited: tuple[str, ...], **quotas: int | None) 
         changes[field] = UNLIMITED
     if not changes:
         raise click.UsageError("nothing to update: give a quota option or --unlimited FIELD")
-    with _session() as session:
+    with _session(invalidates=True) as session:
         tenant = update_tenant(session, name, **changes)
         click.echo(f"Updated tenant {tenant.name}: rpm {_limit(tenant.rpm)}, tpm {_limit(tenant.tpm)}, "
                    f"max concurrent {_limit(tenant.max_concurrent)}, "
@@ -140,7 +150,7 @@ def tenants_disable(name: str) -> None:
     """Disable a tenant: its keys stop working until it is enabled again."""
     from accounting.tenants import set_tenant_disabled
 
-    with _session() as session:
+    with _session(invalidates=True) as session:
         set_tenant_disabled(session, name, True)
         click.echo(f"Disabled tenant {name}.")
 
@@ -151,7 +161,7 @@ def tenants_enable(name: str) -> None:
     """Enable a disabled tenant."""
     from accounting.tenants import set_tenant_disabled
 
-    with _session() as session:
+    with _session(invalidates=True) as session:
         set_tenant_disabled(session, name, False)
         click.echo(f"Enabled tenant {name}.")
 
@@ -207,7 +217,7 @@ def keys_revoke(key_id: int) -> None:
     """Revoke an API key at once."""
     from accounting.tenants import revoke_key
 
-    with _session() as session:
+    with _session(invalidates=True) as session:
         key = revoke_key(session, key_id)
         click.echo(f"Revoked key {key.id} ({key.prefix}…) of tenant {key.tenant.name}.")
 
@@ -220,7 +230,7 @@ def keys_rotate(key_id: int, grace_seconds: int) -> None:
     """Replace an API key: prints the new key; the old one expires after the grace period."""
     from accounting.tenants import rotate_key
 
-    with _session() as session:
+    with _session(invalidates=True) as session:
         key, plaintext = rotate_key(session, key_id, grace_seconds)
         key_id_new, prefix, tenant = key.id, key.prefix, key.tenant.name
     click.echo(plaintext)
