@@ -26,7 +26,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from workers.engine.params import SamplingParams  # a plain dataclass: no torch, no model
+from workers import protocol  # the real worker's request parsing: no torch, no model
+from workers.engine.params import SamplingParams
 
 SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -35,9 +36,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
-TUPLE_FIELDS = frozenset({"stop", "stop_token_ids"})
-PRIORITIES = frozenset({"INTERACTIVE", "BATCH"})
 
 
 @dataclass
@@ -74,63 +72,18 @@ class FakeWorker:
 FAKE_WORKER_KEY = web.AppKey("fake_worker", FakeWorker)
 
 
-class BadRequest(ValueError):
-    pass
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
-def parse_sampling(raw: Any) -> SamplingParams:
-    """As the real worker: unknown fields, wrong types and bad values are the caller's 400."""
-    if raw is None:
-        return SamplingParams(max_tokens=16)
-    if not isinstance(raw, dict):
-        raise BadRequest("sampling must be an object")
-    unknown = set(raw) - SAMPLING_FIELDS
-    if unknown:
-        raise BadRequest(f"unknown sampling fields: {', '.join(sorted(unknown))}")
-    values = dict(raw)
-    for name in TUPLE_FIELDS & set(values):
-        if isinstance(values[name], str):
-            values[name] = [values[name]]
-        if not isinstance(values[name], list):
-            raise BadRequest(f"sampling.{name} must be a list")
-        values[name] = tuple(values[name])
-    for name, value in values.items():
-        if name not in TUPLE_FIELDS and value is not None and not isinstance(value, int | float):
-            raise BadRequest(f"sampling.{name} must be a number")
-    values.setdefault("max_tokens", 16)  # the double's default (the real engine's is 256)
-    try:
-        return SamplingParams(**values)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from exc
-
-
 def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams]:
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    request_id, namespace = body.get("request_id"), body.get("namespace", "default")
-    if not isinstance(request_id, str) or not request_id:
-        raise BadRequest("request_id must be a non-empty string")
-    if not isinstance(namespace, str) or not namespace:
-        raise BadRequest("namespace must be a non-empty string")
-    prompt = body.get("prompt_token_ids")
-    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise BadRequest("prompt_token_ids must be a list of integers")
-    if str(body.get("priority", "interactive")).upper() not in PRIORITIES:
-        raise BadRequest("priority must be 'interactive' or 'batch'")
-    params = parse_sampling(body.get("sampling"))
+    parsed = protocol.parse_generate(body, sampling_defaults={"max_tokens": 16})  # the real engine's is 256
+    request_id, namespace, prompt, params = parsed.request_id, parsed.namespace, parsed.prompt, parsed.params
     # The engine's checks (Engine.validate_request), in its order.
     if not prompt:
-        raise BadRequest("the prompt has no tokens")
+        raise protocol.BadRequest("the prompt has no tokens")
     if any(not 0 <= t < worker.vocab_size for t in prompt):
-        raise BadRequest(f"prompt token ids must be in [0, {worker.vocab_size})")
+        raise protocol.BadRequest(f"prompt token ids must be in [0, {worker.vocab_size})")
     if len(prompt) >= worker.context_length:
-        raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
+        raise protocol.BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
     if request_id in worker.running:
-        raise BadRequest(f"request id {request_id!r} is already running")
+        raise protocol.BadRequest(f"request id {request_id!r} is already running")
     return request_id, namespace, prompt, params
 
 
@@ -170,12 +123,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json(loads=orjson.loads)
     except (orjson.JSONDecodeError, UnicodeDecodeError):
-        return error(400, "the body is not valid JSON")
+        return protocol.error(400, "the body is not valid JSON")
     worker.requests.append(body)
     try:
         request_id, namespace, prompt, params = parse_generate(worker, body)
-    except BadRequest as exc:
-        return error(400, str(exc))
+    except protocol.BadRequest as exc:
+        return protocol.error(400, str(exc))
     lines = _lines(worker, namespace, prompt, params)
     worker.running.add(request_id)
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

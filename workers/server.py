@@ -15,7 +15,6 @@ Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a cal
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -25,64 +24,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.params import SamplingParams
 from workers.engine.request import Priority
 from workers.models.tokenizer import tokenizer_payload
+from workers.protocol import error, parse_generate
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", dict)
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-TUPLE_FIELDS = {"stop", "stop_token_ids"}
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
-
-
-def parse_sampling(raw: Any) -> SamplingParams:
-    if raw is None:
-        return SamplingParams()
-    if not isinstance(raw, dict):
-        raise BadRequest("sampling must be an object")
-    unknown = set(raw) - SAMPLING_FIELDS
-    if unknown:
-        raise BadRequest(f"unknown sampling fields: {', '.join(sorted(unknown))}")
-    values = dict(raw)
-    for name in TUPLE_FIELDS & set(values):
-        if isinstance(values[name], str):
-            values[name] = [values[name]]
-        if not isinstance(values[name], list):
-            raise BadRequest(f"sampling.{name} must be a list")
-        values[name] = tuple(values[name])
-    for name, value in values.items():
-        if name not in TUPLE_FIELDS and value is not None and not isinstance(value, int | float):
-            raise BadRequest(f"sampling.{name} must be a number")
-    try:
-        return SamplingParams(**values)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from exc
-
-
-def parse_generate(body: Any) -> tuple[str, str, list[int], SamplingParams, Priority]:
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    request_id, namespace = body.get("request_id"), body.get("namespace", "default")
-    if not isinstance(request_id, str) or not request_id:
-        raise BadRequest("request_id must be a non-empty string")
-    if not isinstance(namespace, str) or not namespace:
-        raise BadRequest("namespace must be a non-empty string")
-    prompt = body.get("prompt_token_ids")
-    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise BadRequest("prompt_token_ids must be a list of integers")
-    try:
-        priority = Priority[str(body.get("priority", "interactive")).upper()]
-    except KeyError as exc:
-        raise BadRequest("priority must be 'interactive' or 'batch'") from exc
-    return request_id, namespace, prompt, parse_sampling(body.get("sampling")), priority
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -91,8 +38,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (orjson.JSONDecodeError, UnicodeDecodeError):
         return error(400, "the body is not valid JSON")
     try:
-        request_id, namespace, prompt, params, priority = parse_generate(body)
-        stream = request.app[ENGINE_KEY].generate(request_id, prompt, params, namespace, priority)
+        parsed = parse_generate(body)
+        stream = request.app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params,
+                                                  parsed.namespace, Priority[parsed.priority.upper()])
         first = await anext(stream)  # validation errors surface here, before any byte is sent
     except ValueError as exc:
         return error(400, str(exc))

@@ -9,23 +9,15 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import torch
 
 from ops.fake_worker import FAKE_WORKER_KEY, FakeWorker, create_fake_worker_app
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
-from workers.models.loader import LoadedModel, load_model
+from workers.models.loader import LoadedModel
 from workers.server import create_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    from workers.models.tiny import write_tiny_model_folder
-
-    return load_model(write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3), torch.float32)
 
 
 @pytest_asyncio.fixture

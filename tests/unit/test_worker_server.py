@@ -8,23 +8,15 @@ import json
 import aiohttp
 import pytest
 import pytest_asyncio
-import torch
 
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
-from workers.models.loader import LoadedModel, load_model
+from workers.models.loader import LoadedModel
 from workers.server import create_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    from workers.models.tiny import write_tiny_model_folder
-
-    return load_model(write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3), torch.float32)
 
 
 @pytest_asyncio.fixture
