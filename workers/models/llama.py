@@ -83,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(config.rope, config.head_dim, min(config.max_position_embeddings, 4096))
+        self._head_fp32: torch.Tensor | None = None  # the LM head in fp32 for bf16 models (see `logits`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,7 +119,22 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv, meta)
         if logit_indices is not None:
             hidden = hidden[logit_indices]
-        return self.lm_head(self.norm(hidden)).float()
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of fp32 hidden states [n, H] -> [n, V].
+
+        With bf16 weights the head still runs in fp32: a bf16 matmul rounds its outputs to bf16,
+        which quantizes logits of magnitude 16-32 to steps of 0.125 and flips near-ties of the
+        argmax (measured: 3 of 59 positions of a chat prompt). The fp32 copy of the head weight
+        (vocab × hidden × 4 bytes) is made once, on first use.
+        """
+        if self.dtype == torch.float32:
+            return self.lm_head(self.norm(hidden))
+        if self._head_fp32 is None:
+            self._head_fp32 = self.lm_head.weight.detach().float()
+        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
+        return F.linear(normed, self._head_fp32)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in a Hugging Face checkpoint, fusing q/k/v and gate/up.
