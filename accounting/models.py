@@ -7,18 +7,26 @@ classes must stay in step with them (tests/integration/test_migrations.py compar
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
+    Index,
     Integer,
+    LargeBinary,
     MetaData,
+    Numeric,
     String,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -123,3 +131,122 @@ class ApiKey(Base):
 
     def __repr__(self) -> str:
         return f"ApiKey(id={self.id!r}, tenant_id={self.tenant_id!r}, prefix={self.prefix!r})"
+
+
+MONEY = Numeric(18, 6)
+"""Prices per 1M tokens, in the operator's currency (exact decimals, never floats)."""
+
+
+class UsageEvent(Base):
+    """Exactly one row per served request (request_id is unique): what it used and how it went."""
+
+    __tablename__ = "usage_events"
+    __table_args__ = (
+        Index("ix_usage_events_tenant_finished", "tenant_id", "finished_at"),
+        *(CheckConstraint(f"{c} >= 0", name=f"{c}_non_negative")
+          for c in ("prompt_tokens", "cached_tokens", "completion_tokens")),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(200), nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    status: Mapped[str] = mapped_column(String(32), nullable=False)
+    """ok | client_disconnected | upstream_error | rejected (tokens used before a failure are billed)."""
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    batch_id: Mapped[str | None] = mapped_column(String(64), index=True)
+
+
+class Price(Base):
+    """A model's prices per 1M tokens over [effective_from, effective_to); None = open-ended."""
+
+    __tablename__ = "prices"
+    __table_args__ = (
+        Index("ix_prices_model_from", "model", "effective_from"),
+        CheckConstraint("batch_discount >= 0 AND batch_discount <= 1", name="batch_discount_fraction"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), nullable=False)
+    input_per_mtok: Mapped[Decimal] = mapped_column(MONEY, nullable=False)
+    cached_input_per_mtok: Mapped[Decimal] = mapped_column(MONEY, nullable=False)
+    output_per_mtok: Mapped[Decimal] = mapped_column(MONEY, nullable=False)
+    batch_discount: Mapped[Decimal] = mapped_column(Numeric(5, 4), nullable=False, default=Decimal(0))
+    """Fraction taken off batch requests' cost (0.5 = half price)."""
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    effective_to: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class IdempotentResponse(Base):
+    """The response to a request sent with an Idempotency-Key, replayed when the key is used again.
+
+    `body` is None while the first request is still running (a concurrent retry gets a 409).
+    """
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("tenant_id", "key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    key: Mapped[str] = mapped_column(String(255), nullable=False)
+    request_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    request_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    content_type: Mapped[str | None] = mapped_column(String(100))
+    body: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+
+class File(Base):
+    """An uploaded or generated file; its bytes live in the file store under `storage_key`."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "file-…"
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    filename: Mapped[str] = mapped_column(String(255), nullable=False)
+    purpose: Mapped[str] = mapped_column(String(32), nullable=False)  # batch | batch_output | batch_errors
+    bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    storage_key: Mapped[str] = mapped_column(String(255), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Batch(Base):
+    """An OpenAI-style batch job (states: validating → in_progress → finalizing → completed, ...)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "batch_…"
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
+    key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
+    endpoint: Mapped[str] = mapped_column(String(64), nullable=False)
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"), nullable=False)
+    output_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    error_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    completion_window: Mapped[str] = mapped_column(String(16), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    metadata_json: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors_json: Mapped[list[dict[str, Any]] | None] = mapped_column("errors", JSON)
+    total: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    failed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

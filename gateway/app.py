@@ -16,13 +16,17 @@ from aiohttp import web
 
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
-from gateway import admin_api, completions
+from accounting.usage_writer import UsageWriter
+from gateway import admin_api, completions, usage_api
 from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
 from gateway.errors import error_middleware
 from gateway.openapi import build_openapi
+from gateway.quota_local import LocalQuotaStore
+from gateway.quota_redis import FailoverQuotaStore, RedisQuotaStore
+from gateway.quotas import QuotaStore
 from gateway.router import Router
 from gateway.settings import GatewaySettings
-from gateway.state import ADMIN_KEY, AUTH, POOL, ROUTER, SESSIONS, SETTINGS
+from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
 from gateway.worker_pool import WorkerPool
 
 
@@ -36,6 +40,7 @@ def setup_database(app: web.Application, migrate: bool) -> None:
         engine = create_db_engine(url)
         if migrate:
             await asyncio.to_thread(upgrade_database, engine)
+        app[DB] = engine
         app[SESSIONS] = session_factory(engine)
         yield
         engine.dispose()
@@ -59,6 +64,41 @@ def setup_auth(app: web.Application) -> None:
                 await listener
 
     app.cleanup_ctx.append(auth)
+
+
+def setup_quotas(app: web.Application) -> None:
+    settings = app[SETTINGS]
+
+    async def quotas(app: web.Application) -> AsyncIterator[None]:
+        store: QuotaStore = LocalQuotaStore()
+        if settings.redis_url:
+            store = FailoverQuotaStore(RedisQuotaStore(settings.redis_url, prefix=settings.quota_prefix), store,
+                                       mode=settings.quota_failure_mode)
+        app[QUOTAS] = store
+        yield
+        await store.close()
+
+    app.cleanup_ctx.append(quotas)
+    app.on_response_prepare.append(completions.add_quota_headers)
+
+
+def setup_metering(app: web.Application) -> None:
+    settings = app[SETTINGS]
+
+    async def metering(app: web.Application) -> AsyncIterator[None]:
+        # One spool per listening port: a restarted replica finds (and replays) what it spooled.
+        spool = settings.home / "spool" / f"usage-{settings.host}-{settings.port}.jsonl"
+        spool.parent.mkdir(parents=True, exist_ok=True)
+        writer = UsageWriter(app[DB], spool_path=spool)
+        writer.start()
+        app[WRITER] = writer
+        app[BACKGROUND] = set()
+        yield
+        if app[BACKGROUND]:  # hang-ups still being billed
+            await asyncio.wait(app[BACKGROUND], timeout=15)
+        await asyncio.to_thread(writer.close)
+
+    app.cleanup_ctx.append(metering)
 
 
 def setup_workers(app: web.Application) -> None:
@@ -100,6 +140,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/chat/completions", completions.chat_completions)
     router.add_post("/v1/completions", completions.completions)
     admin_api.add_routes(router)
+    usage_api.add_routes(router)
 
 
 def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True) -> web.Application:
@@ -108,6 +149,8 @@ def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True)
     app[SETTINGS] = settings
     setup_database(app, migrate)
     setup_auth(app)
+    setup_quotas(app)
+    setup_metering(app)
     setup_workers(app)
     setup_routes(app)
     return app

@@ -1,30 +1,33 @@
-"""`POST /v1/chat/completions` and `POST /v1/completions`: auth → validate → tokenize → route → stream.
+"""`POST /v1/chat/completions`, `POST /v1/completions` and `/v1/models`.
 
-A request that has not streamed anything yet is retried on another worker when its worker is
-unreachable or dies; once bytes have reached the client, a failure ends the stream with an
-OpenAI error event instead (never a silent truncation, never a hang).
+A request goes: auth → validate → tokenize → Idempotency-Key (replay?) → quota admission
+(prompt + max_tokens reserved) → an `Exchange` to a worker (gateway/proxy.py), which bills it →
+quota settlement to the tokens actually used. Quota headers go on every response of an admitted
+or rejected request.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Literal
 
-import orjson
 from aiohttp import web
 
+from gateway import idempotency
 from gateway.auth import bearer_token
 from gateway.errors import ApiError, invalid
+from gateway.metering import RequestMeter
 from gateway.openai_params import GenerationRequest, parse_request
+from gateway.proxy import Exchange
+from gateway.quotas import Limits, QuotaUnavailable
 from gateway.request_body import read_json
 from gateway.responses import ResponseBuilder
-from gateway.state import AUTH, POOL, ROUTER, SETTINGS
+from gateway.state import AUTH, POOL, QUOTAS, SESSIONS
 from gateway.tokenizer import ChatTemplateError
-from gateway.worker_pool import ModelEntry, UpstreamBroken, UpstreamRejected, UpstreamUnavailable
+from gateway.worker_pool import ModelEntry
 
-DONE = b"data: [DONE]\n\n"
+QUOTA_HEADERS_KEY = web.RequestKey("quota_headers", dict)
 
 
 def model_entry(app: web.Application, name: str) -> ModelEntry:
@@ -65,33 +68,8 @@ def completion_budget(entry: ModelEntry, params: GenerationRequest, num_prompt: 
     return params.max_tokens if params.max_tokens is not None else entry.context_length - num_prompt
 
 
-async def open_stream(
-    app: web.Application, model: str, namespace: str, prompt: list[int], body: dict[str, Any]
-) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
-    """The first line and the rest of a worker stream, trying other workers until one starts."""
-    pool, router = app[POOL], app[ROUTER]
-    tried: set[str] = set()
-    for _ in range(app[SETTINGS].max_attempts):
-        loads = pool.loads(model, exclude=tried)
-        if not loads:
-            break
-        url = router.choose(namespace, prompt, loads)
-        lines = pool.stream(url, body)
-        try:
-            return await anext(lines), lines
-        except UpstreamUnavailable:
-            tried.add(url)
-            router.forget_worker(url)
-        except UpstreamRejected as exc:
-            raise ApiError(exc.status if exc.status != 404 else 400, exc.message) from exc
-        except StopAsyncIteration:
-            tried.add(url)
-    raise ApiError(503, f"no engine worker for '{model}' could take the request; retry shortly",
-                   code="no_worker", headers={"Retry-After": "1"})
-
-
 def worker_body(request_id: str, namespace: str, prompt: list[int], params: GenerationRequest,
-                max_tokens: int) -> dict[str, Any]:
+                max_tokens: int) -> dict[str, object]:
     sampling = {**params.sampling, "max_tokens": max_tokens}
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
@@ -99,88 +77,66 @@ def worker_body(request_id: str, namespace: str, prompt: list[int], params: Gene
             "sampling": sampling, "priority": "interactive"}
 
 
+def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
+    if reason == "budget":
+        return ApiError(429, "the monthly token budget of this tenant is used up", type="insufficient_quota",
+                        code="insufficient_quota", headers=headers)
+    what = {"rpm": "requests per minute", "tpm": "tokens per minute",
+            "concurrency": "concurrent requests"}.get(reason or "", "rate")
+    return ApiError(429, f"rate limit reached: {what}", type="rate_limit_error", code="rate_limit_exceeded",
+                    headers=headers)
+
+
 async def handle(request: web.Request, kind: Literal["chat", "completion"]) -> web.StreamResponse:
     app = request.app
     record = await app[AUTH].authenticate(bearer_token(request))
-    params = parse_request(kind, await read_json(request))
+    raw = await read_json(request)
+    params = parse_request(kind, raw)
     entry = model_entry(app, params.model)
     prompt = prompt_token_ids(entry, params)
     max_tokens = completion_budget(entry, params, len(prompt))
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    namespace = f"tenant-{record.tenant_id}"  # set here, from the key: clients never choose it
-    body = worker_body(request_id, namespace, prompt, params, max_tokens)
-    builder = ResponseBuilder(kind, request_id, entry.name, int(time.time()), entry.tokenizer,
-                              params.logprobs is not None)
-    if params.stream:
-        first, lines = await open_stream(app, entry.name, namespace, prompt, body)
-        return await stream_events(request, builder, params, first, lines)
-    # Nothing reaches the client before the end, so a worker lost midway costs a retry, not an error.
-    for _ in range(app[SETTINGS].max_attempts):
-        first, lines = await open_stream(app, entry.name, namespace, prompt, body)
+
+    claim = await idempotency.claim_or_replay(request, app[SESSIONS], record.tenant_id, raw, request_id)
+    if isinstance(claim, idempotency.Replay):
+        return claim.response()
+    try:
+        limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
+        reserve = len(prompt) + max_tokens * params.n
         try:
-            return await collect(builder, first, lines)
-        except UpstreamBroken:
-            builder.choices.clear()
-    raise ApiError(502, "engine workers failed mid-request on every attempt; retry later", code="worker_failed")
+            decision = await app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
+        except QuotaUnavailable as exc:
+            raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
+                           headers={"Retry-After": "1"}) from exc
+        request[QUOTA_HEADERS_KEY] = decision.headers()
+        if not decision.admitted:
+            raise rejection(decision.reason, decision.headers())
+    except BaseException:
+        if claim is not None:
+            await idempotency.release(app[SESSIONS], claim)
+        raise
 
-
-def _failed(delta: dict[str, Any]) -> bool:
-    return delta.get("finish_reason") in ("error", "abort")
-
-
-async def collect(builder: ResponseBuilder, first: dict[str, Any],
-                  lines: AsyncIterator[dict[str, Any]]) -> web.Response:
-    """The whole answer as one JSON object; raises UpstreamBroken if the worker stream breaks."""
-    delta: dict[str, Any] | None = first
+    namespace = f"tenant-{record.tenant_id}"  # set here, from the key: clients never choose it
+    meter = RequestMeter(request_id, record.tenant_id, record.key_id, entry.name, len(prompt))
+    exchange = Exchange(request, params, entry.name, namespace, prompt,
+                        worker_body(request_id, namespace, prompt, params, max_tokens),
+                        ResponseBuilder(kind, request_id, entry.name, int(time.time()), entry.tokenizer,
+                                        params.logprobs is not None),
+                        meter, claim if isinstance(claim, idempotency.Claim) else None)
     try:
-        while delta is not None:
-            if _failed(delta):
-                raise ApiError(502, "the engine failed while generating; retry the request", code="engine_error")
-            builder.absorb(delta)
-            if "usage" in delta:
-                return web.Response(body=orjson.dumps(builder.final(delta["usage"])), content_type="application/json")
-            delta = await anext(lines, None)
+        return await (exchange.respond_stream() if params.stream else exchange.respond_json())
     finally:
-        await lines.aclose()
-    raise UpstreamBroken("the engine worker ended the request without a result")
+        await app[QUOTAS].settle(decision.ticket, meter.total_tokens())
+        if claim is not None:  # a no-op when the response was stored with the usage row
+            await idempotency.release(app[SESSIONS], claim)
 
 
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-async def stream_events(request: web.Request, builder: ResponseBuilder, params: GenerationRequest,
-                        first: dict[str, Any], lines: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    opened: set[int] = set()
-    delta: dict[str, Any] | None = first
-    try:
-        while delta is not None:
-            if _failed(delta):
-                raise UpstreamBroken("the engine failed while generating")
-            if builder.kind == "chat" and delta["index"] not in opened:
-                opened.add(delta["index"])
-                await response.write(sse(builder.role_chunk(delta["index"])))
-            await response.write(sse(builder.chunk(delta)))
-            if "usage" in delta:
-                if params.include_usage:
-                    await response.write(sse(builder.usage_chunk(delta["usage"])))
-                await response.write(DONE)
-                break
-            delta = await anext(lines, None)
-        else:
-            raise UpstreamBroken("the engine worker ended the stream early")
-    except UpstreamBroken as exc:
-        error = ApiError(502, f"the engine worker failed mid-stream: {exc}", code="worker_failed")
-        await response.write(sse(error.body()))
-    except ConnectionResetError:  # the client hung up: closing `lines` aborts the request upstream
-        return response
-    finally:
-        await lines.aclose()
-    await response.write_eof()
-    return response
+async def add_quota_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the x-ratelimit-* headers go on every response of an admitted request."""
+    headers = request.get(QUOTA_HEADERS_KEY)
+    if headers:
+        for name, value in headers.items():
+            response.headers.setdefault(name, value)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -206,5 +162,5 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(model_object(model_entry(request.app, request.match_info["model"]).name))
 
 
-def model_object(name: str) -> dict[str, Any]:
+def model_object(name: str) -> dict[str, object]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "tollway"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -20,6 +21,11 @@ class GatewaySettings(BaseSettings):
     """Admin key; when unset one is generated into $TOLLWAY_HOME/admin.key (mode 600)."""
     redis_url: str | None = None
     """Redis for shared quotas and key-revocation broadcasts; unset = in-process only."""
+    quota_failure_mode: Literal["open", "closed"] = "open"
+    """With Redis unreachable: "open" enforces each replica's own in-process limits, "closed"
+    refuses requests (503) until Redis is back. Either way it reconnects by itself."""
+    quota_prefix: str = "tollway"
+    """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
     database_url: str | None = None
     """SQLAlchemy URL; unset = SQLite at $TOLLWAY_HOME/tollway.db."""
     max_body_mb: float = 4.0

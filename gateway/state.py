@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from aiohttp import web
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from accounting.usage_writer import UsageWriter
 from gateway.auth import KeyCache
+from gateway.quotas import QuotaStore
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.worker_pool import WorkerPool
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
+DB = web.AppKey("db", Engine)
 SESSIONS = web.AppKey("sessions", sessionmaker[Session])
 AUTH = web.AppKey("auth", KeyCache)
 ADMIN_KEY = web.AppKey("admin_key", str)
 POOL = web.AppKey("pool", WorkerPool)
 ROUTER = web.AppKey("router", Router)
+QUOTAS = web.AppKey("quotas", QuotaStore)
+BACKGROUND = web.AppKey("background_tasks", set)  # tasks that outlive their request (billing a hang-up)
+WRITER = web.AppKey("usage_writer", UsageWriter)

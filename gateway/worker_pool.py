@@ -116,6 +116,15 @@ class WorkerPool:
         return {w.url: w.in_flight for w in self.workers.values()
                 if w.healthy and w.model == model and w.url not in exclude}
 
+    async def cancel(self, url: str, request_id: str) -> None:
+        """Ask a worker to stop a request; its stream then ends with the usage so far."""
+        try:
+            async with self._session.post(f"{url}/internal/requests/{request_id}/cancel",
+                                          timeout=self._poll_timeout) as response:
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not cancel %s on %s: %r", request_id, url, exc)
+
     async def stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The worker's NDJSON lines for one generate request, ending with the line carrying usage.
 

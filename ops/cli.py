@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 
 from ops.admin_cli import keys, tenants
+from ops.billing_cli import prices, usage
 
 NOT_BUILT_EXIT_CODE = 2
 stderr = Console(stderr=True)
@@ -111,19 +112,8 @@ cli.add_command(tenants)
 cli.add_command(keys)
 
 
-@cli.group()
-def usage() -> None:
-    """Usage and billing. (not built yet)"""
-
-
-@usage.command("report")
-@click.option("--tenant", help="Only this tenant.")
-@click.option("--month", required=True, help="YYYY-MM")
-@click.option("--format", "fmt", type=click.Choice(["csv", "json", "html"]), default="csv")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write to FILE instead of stdout.")
-def usage_report(**_: object) -> None:
-    """Billing report for a month. (not built yet)"""
-    not_built("usage report")
+cli.add_command(usage)
+cli.add_command(prices)
 
 
 @cli.group()

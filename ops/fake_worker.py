@@ -54,6 +54,8 @@ class FakeWorker:
     num_blocks: int = 1024
     requests: list[Any] = field(default_factory=list)  # every JSON body received, in order
     running: set[str] = field(default_factory=set)  # request ids streaming now
+    cancelled: set[str] = field(default_factory=set)  # running ids asked to stop (cancel route)
+    max_running: int = 0  # the most requests ever streaming at once (concurrency limits are checked here)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> choices
     cache: dict[str, dict[str, int]] = field(default_factory=dict)  # namespace -> stats, as the real info
     totals: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "cached": 0, "completion": 0})
@@ -66,6 +68,7 @@ class FakeWorker:
             "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
             "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},
             "finished": dict(self.finished), "running": len(self.running), "waiting": 0,
+            "fake": {"max_running": self.max_running, "requests": len(self.requests)},  # the double's own
         }
 
 
@@ -131,10 +134,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return protocol.error(400, str(exc))
     lines = _lines(worker, namespace, prompt, params)
     worker.running.add(request_id)
+    worker.max_running = max(worker.max_running, len(worker.running))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         await response.prepare(request)
         for sent, line in enumerate(lines):
+            if request_id in worker.cancelled:  # as the engine: an "abort" line with the usage so far
+                usage = {**lines[-1]["usage"], "completion_tokens": sent}
+                await response.write(orjson.dumps({"index": 0, "token_ids": [], "text": "",
+                                                   "finish_reason": "abort", "usage": usage}) + b"\n")
+                break
             if sent == worker.fail_after_tokens:
                 if request.transport is not None:
                     request.transport.abort()  # the worker "dies": no more bytes, no chunked end
@@ -142,13 +151,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if worker.delay_s > 0:
                 await asyncio.sleep(worker.delay_s)
             await response.write(orjson.dumps(line) + b"\n")
-        _account(worker, namespace, lines[-1]["usage"], params.n)
+        else:
+            _account(worker, namespace, lines[-1]["usage"], params.n)
         await response.write_eof()
     except ConnectionResetError:  # the caller hung up: nothing more to send
         pass
     finally:
         worker.running.discard(request_id)
+        worker.cancelled.discard(request_id)
     return response
+
+
+async def cancel(request: web.Request) -> web.Response:
+    worker = request.app[FAKE_WORKER_KEY]
+    request_id = request.match_info["request_id"]
+    if request_id in worker.running:
+        worker.cancelled.add(request_id)
+    return web.json_response({"status": "cancelling"}, status=202)
 
 
 async def info(request: web.Request) -> web.Response:
@@ -207,6 +226,7 @@ def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> 
     app = web.Application(client_max_size=16 * 2**20)
     app[FAKE_WORKER_KEY] = worker if worker is not None else FakeWorker(**options)
     app.router.add_post("/internal/generate", generate)
+    app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)
     app.router.add_get("/internal/tokenizer", tokenizer)
     app.router.add_get("/healthz", healthz)

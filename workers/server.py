@@ -5,6 +5,8 @@ POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling
                          (index = choice, for n > 1); the request's last line adds usage
                          {prompt_tokens, cached_tokens, completion_tokens}.
                          A closed connection aborts the request.
+POST /internal/requests/{id}/cancel  stop a request; its stream ends with an "abort" line that
+                         still carries usage (so a client that went away is billed exactly)
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
 GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes without the model:
                          {model, tokenizer_json, tokenizer_config, chat_template}
@@ -74,6 +76,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def cancel(request: web.Request) -> web.Response:
+    """Stop a request; its open stream ends with an 'abort' line carrying the usage so far."""
+    request.app[ENGINE_KEY].cancel(request.match_info["request_id"])
+    return web.json_response({"status": "cancelling"}, status=202)
+
+
 async def info(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE_KEY].info(), dumps=lambda o: json.dumps(o, default=str))
 
@@ -121,6 +129,7 @@ def create_worker_app(engine: AsyncEngine) -> web.Application:
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = make_metrics()
     app.router.add_post("/internal/generate", generate)
+    app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)
     app.router.add_get("/internal/tokenizer", tokenizer)
     app.router.add_get("/healthz", healthz)

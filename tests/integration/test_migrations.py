@@ -19,6 +19,18 @@ EXPECTED_COLUMNS = {
                 "created_at", "updated_at"},
     "api_keys": {"id", "tenant_id", "name", "key_hash", "prefix", "created_at", "revoked_at", "expires_at",
                  "rpm", "tpm"},
+    "usage_events": {"id", "request_id", "tenant_id", "key_id", "model", "prompt_tokens", "cached_tokens",
+                     "completion_tokens", "status", "finish_reason", "ttft_ms", "latency_ms", "started_at",
+                     "finished_at", "batch_id"},
+    "prices": {"id", "model", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "batch_discount",
+               "effective_from", "effective_to"},
+    "idempotency_keys": {"id", "tenant_id", "key", "request_hash", "request_id", "status_code", "content_type",
+                         "body", "created_at"},
+    "files": {"id", "tenant_id", "filename", "purpose", "bytes", "storage_key", "created_at", "deleted_at"},
+    "batches": {"id", "tenant_id", "key_id", "endpoint", "input_file_id", "output_file_id", "error_file_id",
+                "completion_window", "status", "metadata", "errors", "total", "completed", "failed", "created_at",
+                "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+                "cancelling_at", "cancelled_at"},
 }
 
 

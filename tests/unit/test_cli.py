@@ -20,7 +20,7 @@ def test_help_lists_the_design_commands() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["usage", "report", "--month", "2026-11"], ["batch", "submit", "x.jsonl", "--api-key", "k"]],
+    [["batch", "submit", "x.jsonl", "--api-key", "k"]],
 )
 def test_unbuilt_commands_say_so_and_exit_2(args: list[str]) -> None:
     result = CliRunner().invoke(cli, args)

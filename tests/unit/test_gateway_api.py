@@ -25,11 +25,11 @@ ADMIN = {"Authorization": "Bearer test-admin-key"}
 MODEL = "smollm2-135m-instruct"
 
 
-def make_tenant_key(url: str, name: str = "acme") -> tuple[int, str]:
+def make_tenant_key(url: str, name: str = "acme", **quotas: int) -> tuple[int, str]:
     engine = create_db_engine(url)
     upgrade_database(engine)
     with session_factory(engine)() as session, session.begin():
-        tenant = create_tenant(session, name)
+        tenant = create_tenant(session, name, **quotas)
         _, key = create_key(session, name)
         tenant_id = tenant.id
     engine.dispose()

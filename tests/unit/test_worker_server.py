@@ -90,6 +90,23 @@ async def test_closed_connection_aborts_and_frees_blocks(worker) -> None:
     assert blocks["free"] + blocks["evictable"] == blocks["total"]
 
 
+async def test_cancel_ends_the_stream_with_the_usage_so_far(worker) -> None:
+    client, engine = worker
+    response = await client.post("/internal/generate", json=body("r-cancel", max_tokens=10_000))
+    lines = [json.loads(await response.content.readline())]
+    cancelled = await client.post("/internal/requests/r-cancel/cancel")
+    assert cancelled.status == 202
+    lines += await read_stream(response)
+    assert lines[-1]["finish_reason"] == "abort"
+    streamed = sum(len(line["token_ids"]) for line in lines)
+    assert lines[-1]["usage"]["completion_tokens"] == streamed  # billable exactly
+    assert lines[-1]["usage"]["prompt_tokens"] == len(PROMPT)
+    assert (await client.post("/internal/requests/unknown/cancel")).status == 202  # idempotent, harmless
+    await asyncio.sleep(0.3)
+    blocks = engine.info()["blocks"]
+    assert blocks["free"] + blocks["evictable"] == blocks["total"]
+
+
 async def test_info_health_and_metrics(worker) -> None:
     client, _ = worker
     await read_stream(await client.post("/internal/generate", json=body()))

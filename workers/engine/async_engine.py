@@ -66,6 +66,11 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    def cancel(self, request_id: str) -> None:
+        """Stop a request but keep its stream: the stream ends with an 'abort' delta carrying the
+        usage so far (what the caller bills), unlike hanging up, which drops the stream."""
+        self._commands.put(("cancel", request_id))
+
     def info(self) -> dict[str, Any]:
         """The engine's state as of its last step."""
         return dict(self._info)
@@ -108,6 +113,11 @@ class AsyncEngine:
             except ValueError:  # validated already; reaching here means a race on the same id
                 self._deliver(Delta(request_id, finish_reason="abort",
                                     usage={"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}))
+        elif command == "cancel":
+            if payload in self.engine.sequences:
+                last = self.engine.abort(payload)
+                if last is not None:
+                    self._deliver(last)
         elif command == "abort":
             self.engine.abort(payload)
             with self._streams_lock:

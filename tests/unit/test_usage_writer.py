@@ -1,0 +1,246 @@
+"""UsageWriter on a migrated SQLite file: group commit, one row per request_id, the spool."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import fields
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from accounting.db import create_db_engine, session_factory, upgrade_database
+from accounting.models import UsageEvent
+from accounting.tenants import create_tenant
+from accounting.usage import FIELD_NAMES, UsageRecord
+from accounting.usage_writer import UsageWriter
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, 678_000, tzinfo=UTC)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    url = f"sqlite:///{tmp_path / 'tollway.db'}"
+    upgrade_database(url)
+    engine = create_db_engine(url)
+    with session_factory(engine).begin() as session:
+        create_tenant(session, "acme")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Path:
+    return tmp_path / "spool" / "usage.jsonl"
+
+
+@pytest.fixture
+def writers(engine: Engine, spool: Path) -> Iterator[Callable[..., UsageWriter]]:
+    """Started writers on the test database, closed at the end of the test."""
+    made: list[UsageWriter] = []
+
+    def make(**options: Any) -> UsageWriter:
+        writer = UsageWriter(engine, spool_path=spool, replay_interval_s=options.pop("replay_interval_s", 0.05),
+                             **options)
+        writer.start()
+        made.append(writer)
+        return writer
+
+    yield make
+    for writer in made:
+        writer.close(timeout=10)
+
+
+def record(n: int, **changes: Any) -> UsageRecord:
+    values: dict[str, Any] = {
+        "request_id": f"req-{n}", "tenant_id": 1, "key_id": None, "model": "smollm2-135m-instruct",
+        "prompt_tokens": 100 + n, "cached_tokens": n % 64, "completion_tokens": 7 + n % 13, "status": "ok",
+        "finish_reason": "stop", "ttft_ms": 12.5 + n, "latency_ms": 250.25 + n,
+        "started_at": T0 + timedelta(seconds=n), "finished_at": T0 + timedelta(seconds=n, milliseconds=250),
+        "batch_id": f"batch_{n % 3}" if n % 2 else None,
+    }
+    values.update(changes)
+    return UsageRecord(**values)
+
+
+def stored(engine: Engine) -> dict[str, UsageRecord]:
+    """Every row of usage_events as a record, by request_id."""
+    with session_factory(engine)() as session:
+        rows = session.scalars(select(UsageEvent)).all()
+        return {row.request_id: UsageRecord(**{name: getattr(row, name) for name in FIELD_NAMES}) for row in rows}
+
+
+def count(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.scalar(select(func.count()).select_from(UsageEvent)) or 0)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.01)
+
+
+def spool_lines(spool: Path) -> list[str]:
+    return [line for line in spool.read_text().splitlines() if line.strip()]
+
+
+class FlakyInsert:
+    """Replaces a writer's insert step: raises OperationalError until `up` is set (counts calls)."""
+
+    def __init__(self, writer: UsageWriter) -> None:
+        self.insert = writer._insert
+        self.up = threading.Event()
+        self.failures = 0
+
+    def __call__(self, records: list[UsageRecord]) -> None:
+        if not self.up.is_set():
+            self.failures += 1
+            raise OperationalError("INSERT INTO usage_events", {}, Exception("database is down"))
+        self.insert(records)
+
+
+def test_the_record_has_exactly_the_columns_of_usage_events() -> None:
+    columns = [c.name for c in UsageEvent.__table__.columns if c.name != "id"]
+    assert list(FIELD_NAMES) == columns == [f.name for f in fields(UsageRecord)]
+
+
+def test_records_are_checked_and_round_trip_through_json() -> None:
+    r = record(5, started_at=datetime(2026, 1, 2, 5, 0, tzinfo=timezone(timedelta(hours=2))))
+    assert r.started_at.tzinfo is UTC and r.started_at == datetime(2026, 1, 2, 3, 0, tzinfo=UTC)
+    assert UsageRecord.from_json(r.to_json()) == r
+    assert r.to_row()["request_id"] == "req-5" and set(r.to_row()) == set(FIELD_NAMES)
+    for bad in ({"started_at": datetime(2026, 1, 1)}, {"prompt_tokens": -1}, {"request_id": ""},
+                {"request_id": "x" * 65}, {"cached_tokens": 1.5}):
+        with pytest.raises(ValueError):
+            record(1, **bad)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_writes_are_group_committed_and_round_trip(engine: Engine, writers) -> None:
+    writer = writers()
+    records = [record(n) for n in range(500)]
+    await asyncio.gather(*(writer.write(r) for r in records))
+    assert stored(engine) == {r.request_id: r for r in records}  # every field, times tz-aware UTC
+    assert all(r.finished_at.tzinfo is not None for r in stored(engine).values())
+    stats = writer.stats()
+    assert stats.rows_written == 500 and stats.rows_spooled == 0
+    assert stats.transactions <= 50  # batching: far fewer commits than rows
+
+
+@pytest.mark.asyncio
+async def test_a_request_id_written_twice_makes_one_row(engine: Engine, writers) -> None:
+    writer = writers()
+    await asyncio.gather(*(writer.write(record(n % 20)) for n in range(200)))  # concurrent duplicates
+    await writer.write(record(3, completion_tokens=999))  # a later retry, even a different one
+    rows = stored(engine)
+    assert len(rows) == 20 and rows["req-3"] == record(3)
+
+
+@pytest.mark.asyncio
+async def test_a_bad_record_fails_alone(engine: Engine, writers) -> None:
+    writer = writers(max_delay_s=0.05)
+    results = await asyncio.gather(*(writer.write(record(n, tenant_id=99 if n == 7 else 1)) for n in range(20)),
+                                   return_exceptions=True)
+    assert isinstance(results[7], IntegrityError)  # unknown tenant: the caller is told
+    assert [r for i, r in enumerate(results) if i != 7] == [None] * 19
+    assert set(stored(engine)) == {f"req-{n}" for n in range(20) if n != 7}
+
+
+@pytest.mark.asyncio
+async def test_a_failed_commit_spools_and_the_replay_inserts_exactly_once(
+        engine: Engine, spool: Path, writers) -> None:
+    writer = writers()
+    flaky = FlakyInsert(writer)
+    writer._insert = flaky  # type: ignore[method-assign]
+    records = [record(n) for n in range(100)]
+    await asyncio.gather(*(writer.write(r) for r in records))  # resolved: durable in the spool
+    wait_for(lambda: flaky.failures >= 3)  # the live commit, then replays, fail
+    assert count(engine) == 0
+    assert {UsageRecord.from_json(line) for line in spool_lines(spool)} == set(records)
+    assert writer.stats().rows_spooled == 100
+
+    flaky.up.set()  # the database is back: the next replay empties the spool
+    wait_for(lambda: spool.stat().st_size == 0)
+    assert stored(engine) == {r.request_id: r for r in records}
+    assert writer.stats().rows_replayed == 100
+    await asyncio.gather(*(writer.write(r) for r in records[:10]))  # retries change nothing
+    assert count(engine) == 100
+
+
+@pytest.mark.asyncio
+async def test_a_failed_spool_write_fails_the_write(engine: Engine, writers) -> None:
+    writer = writers()
+    writer._insert = FlakyInsert(writer)  # type: ignore[method-assign]
+
+    def no_disk(records: Any) -> None:
+        raise OSError("no space left on device")
+
+    writer._spool.append = no_disk  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="no space"):
+        await writer.write(record(1))
+    assert count(engine) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_write_is_still_written(engine: Engine, writers) -> None:
+    writer = writers(max_delay_s=0.05)
+    task = asyncio.ensure_future(writer.write(record(1)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    writer.close()
+    assert set(stored(engine)) == {"req-1"}
+
+
+def test_close_flushes_pending_rows(engine: Engine, spool: Path) -> None:
+    writer = UsageWriter(engine, spool_path=spool, max_delay_s=0.5)
+    writer.start()
+    futures = [writer.submit(record(n)) for n in range(300)]
+    writer.close(timeout=10)
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert count(engine) == 300
+    with pytest.raises(RuntimeError):
+        writer.submit(record(1000))
+
+
+def test_a_restarted_writer_replays_the_spool(engine: Engine, spool: Path) -> None:
+    records = [record(n) for n in range(50)]
+    spool.parent.mkdir(parents=True)
+    # Left by a crashed process: one row already inserted before the crash, and a torn last line.
+    spool.write_text("".join(r.to_json() + "\n" for r in records) + records[0].to_json()[:30])
+    with session_factory(engine).begin() as session:
+        session.add(UsageEvent(**records[0].to_row()))
+    writer = UsageWriter(engine, spool_path=spool, replay_interval_s=0.05)
+    writer.start()
+    wait_for(lambda: spool.stat().st_size == 0)
+    future = writer.submit(record(50))
+    writer.close(timeout=10)
+    future.result()
+    assert stored(engine) == {r.request_id: r for r in [*records, record(50)]}
+    assert writer.stats().rows_rejected == 1  # the torn line, kept aside
+    assert spool.with_name(spool.name + ".rejected").read_text().strip() == records[0].to_json()[:30]
+
+
+@pytest.mark.asyncio
+async def test_a_large_spool_is_replayed_in_chunks_between_live_writes(engine: Engine, spool: Path) -> None:
+    spooled = [record(n) for n in range(250)]
+    spool.parent.mkdir(parents=True)
+    spool.write_text("".join(r.to_json() + "\n" for r in spooled))
+    writer = UsageWriter(engine, spool_path=spool, max_batch=100, replay_interval_s=0.05)
+    writer.start()
+    live = [record(n) for n in range(1000, 1100)]
+    await asyncio.gather(*(writer.write(r) for r in live))
+    wait_for(lambda: spool.stat().st_size == 0)
+    writer.close(timeout=10)
+    assert stored(engine) == {r.request_id: r for r in [*spooled, *live]}
+    assert writer.stats().rows_replayed == 250 and writer.stats().rows_written == 100
