@@ -89,7 +89,8 @@ def setup_metering(app: web.Application) -> None:
         # One spool per listening port: a restarted replica finds (and replays) what it spooled.
         spool = settings.home / "spool" / f"usage-{settings.host}-{settings.port}.jsonl"
         spool.parent.mkdir(parents=True, exist_ok=True)
-        writer = UsageWriter(app[DB], spool_path=spool)
+        # No gather delay: rows that arrive while a commit runs form the next group by themselves.
+        writer = UsageWriter(app[DB], spool_path=spool, max_delay_s=0.0)
         writer.start()
         app[WRITER] = writer
         app[BACKGROUND] = set()

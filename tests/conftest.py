@@ -74,3 +74,30 @@ def redis_url() -> str:
     if not _port_open("127.0.0.1", 6379):
         pytest.skip("Redis is not running on 127.0.0.1:6379")
     return os.environ.get("TOLLWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture
+def postgres_schema(postgres_url: str):
+    """(URL, schema): a fresh PostgreSQL schema, dropped afterwards (tests share the database).
+
+    The URL selects the schema itself (`options=-csearch_path=...`), so child processes given it as
+    TOLLWAY_DATABASE_URL use it too.
+    """
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    name = f"tollway_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url)
+    try:
+        with admin.begin() as connection:
+            connection.execute(text(f'CREATE SCHEMA "{name}"'))
+    except Exception as error:  # the port is open but the database is unusable
+        admin.dispose()
+        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
+    try:
+        yield f"{postgres_url}?options=-csearch_path%3D{name}", name
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{name}" CASCADE'))
+        admin.dispose()

@@ -25,29 +25,10 @@ T0 = datetime(2026, 3, 4, 5, 6, 7, 891_000, tzinfo=UTC)
 
 
 @pytest.fixture
-def schema(postgres_url: str) -> Iterator[tuple[str, str]]:
-    """(URL, name) of a fresh schema, dropped afterwards (other tests share the database)."""
-    name = f"tollway_usage_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url)
-    try:
-        with admin.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{name}"'))
-    except Exception as error:  # the port is open but the database is unusable
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
-    try:
-        yield postgres_url, name
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{name}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture
-def engine(schema: tuple[str, str]) -> Iterator[Engine]:
-    """A migrated database in the fresh schema, holding tenant 'acme'."""
-    url, name = schema
-    engine = create_engine(url, pool_pre_ping=True, connect_args={"options": f"-csearch_path={name}"})
+def engine(postgres_schema: tuple[str, str]) -> Iterator[Engine]:
+    """A migrated database in a fresh schema, holding tenant 'acme'."""
+    url, _ = postgres_schema
+    engine = create_engine(url, pool_pre_ping=True)
     try:
         upgrade_database(engine)
         with session_factory(engine).begin() as session:
@@ -122,13 +103,13 @@ async def test_a_bad_record_fails_alone(engine: Engine, writer: UsageWriter) -> 
 
 
 @pytest.mark.asyncio
-async def test_a_dropped_connection_spools_and_replays(schema: tuple[str, str], engine: Engine,
+async def test_a_dropped_connection_spools_and_replays(postgres_schema: tuple[str, str], engine: Engine,
                                                        tmp_path: Path) -> None:
-    url, name = schema
+    url, _ = postgres_schema
     tenant = tenant_id(engine)
     application = f"tollway-usage-test-{uuid.uuid4().hex[:8]}"
     # No pre-ping: the writer's pooled connection dies under it, as in a database restart.
-    bare = create_engine(url, connect_args={"options": f"-csearch_path={name}", "application_name": application})
+    bare = create_engine(url, connect_args={"application_name": application})
     writer = UsageWriter(bare, spool_path=tmp_path / "usage.jsonl", replay_interval_s=0.1)
     writer.start()
     try:
