@@ -96,10 +96,10 @@ class Tenant(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(TENANT_NAME_MAX_LENGTH), unique=True, nullable=False)
     disabled: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
-    rpm: Mapped[int | None] = mapped_column(Integer)
-    tpm: Mapped[int | None] = mapped_column(Integer)
-    max_concurrent: Mapped[int | None] = mapped_column(Integer)
-    monthly_token_budget: Mapped[int | None] = mapped_column(Integer)
+    rpm: Mapped[int | None] = mapped_column(BigInteger)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
 
@@ -123,8 +123,8 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    rpm: Mapped[int | None] = mapped_column(Integer)
-    tpm: Mapped[int | None] = mapped_column(Integer)
+    rpm: Mapped[int | None] = mapped_column(BigInteger)
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
 
     # Always loaded with the key: serialisers and the CLI need the tenant name after the session ends.
     tenant: Mapped[Tenant] = relationship(back_populates="keys", lazy="joined")

@@ -70,13 +70,17 @@ class AuthRecord:
     expires_at: datetime | None
 
 
+MAX_QUOTA = 2**63 - 1
+"""Quotas are BIGINT columns."""
+
+
 def _check_quota(field: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidQuotaError(f"{field} must be a whole number or unlimited, got {value!r}")
-    if value < 0:
-        raise InvalidQuotaError(f"{field} must be 0 or more, got {value}")
+    if not 0 <= value <= MAX_QUOTA:
+        raise InvalidQuotaError(f"{field} must be between 0 and {MAX_QUOTA}, got {value}")
     return value
 
 

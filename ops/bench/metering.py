@@ -104,9 +104,10 @@ async def produce(writer: UsageWriter, tenant_id: int, prefix: str, deadline: fl
         n += 1
 
 
-async def run_level(engine: Engine, spool: Path, tenant_id: int, concurrency: int, seconds: float) -> Result:
+async def run_level(engine: Engine, spool: Path, tenant_id: int, concurrency: int, seconds: float,
+                    max_delay_s: float) -> Result:
     """C producers for `seconds` against a fresh writer; the writer is closed (flushed) at the end."""
-    writer = UsageWriter(engine, spool_path=spool)
+    writer = UsageWriter(engine, spool_path=spool, max_delay_s=max_delay_s)
     writer.start()
     latencies: list[float] = []
     started = time.perf_counter()
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--sqlite", action="store_true", help="use a temporary SQLite file instead")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--max-delay-ms", type=float, default=0.0,
+                        help="the writer's gather window (the gateway uses 0: a commit in progress is the window)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="tollway-bench-metering-") as folder:
@@ -139,7 +142,8 @@ def main() -> None:
             print(f"metering benchmark: {engine.dialect.name} ({engine.url.render_as_string()}), "
                   f"{args.seconds:g} s per level", flush=True)
             results = [
-                asyncio.run(run_level(engine, Path(folder) / f"spool-{c}.jsonl", tenant_id, c, args.seconds))
+                asyncio.run(run_level(engine, Path(folder) / f"spool-{c}.jsonl", tenant_id, c, args.seconds,
+                                        args.max_delay_ms / 1e3))
                 for c in dict.fromkeys((args.concurrency, 1))
             ]
             with engine.connect() as connection:

@@ -102,7 +102,7 @@ def test_tenant_errors(session: Session) -> None:
     for bad in ("", "a b", "x" * 65, "ünï", "a/b"):
         with pytest.raises(InvalidQuotaError, match="invalid tenant name"):
             create_tenant(session, bad)
-    with pytest.raises(InvalidQuotaError, match="rpm must be 0 or more"):
+    with pytest.raises(InvalidQuotaError, match="rpm must be between 0 and"):
         create_tenant(session, "neg", rpm=-1)
     with pytest.raises(InvalidQuotaError, match="whole number"):
         update_tenant(session, "acme", tpm=1.5)  # type: ignore[arg-type]
