@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, inspect
 
 from accounting.db import create_db_engine, current_revision, downgrade_database, upgrade_database
 from accounting.models import Base
@@ -42,25 +41,11 @@ def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 @pytest.fixture
-def postgres_engine(postgres_url: str) -> Iterator[Engine]:
+def postgres_engine(postgres_schema: tuple[str, str]) -> Iterator[Engine]:
     """An engine whose connections live in a fresh schema (other tests share the database)."""
-    schema = f"tollway_migrations_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url)
-    try:
-        with admin.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except Exception as error:  # the port is open but the database is unusable
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
-    engine = create_engine(postgres_url, pool_pre_ping=True,
-                           connect_args={"options": f"-csearch_path={schema}"})
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    engine = create_engine(postgres_schema[0], pool_pre_ping=True)
+    yield engine
+    engine.dispose()
 
 
 def assert_schema_at_head(engine: Engine) -> None:

@@ -75,11 +75,12 @@ async def test_max_concurrent_holds_at_the_worker(tmp_path: Path, postgres_schem
         cluster.stop()
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], outcome: dict) -> None:
+async def stream_one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], outcome: dict,
+                     max_tokens: int) -> None:
     """Read one streamed chat completion, recording its id, tokens seen and whether it ended."""
+    body = chat(max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
     try:
-        async with session.post(f"{url}/v1/chat/completions", headers=headers,
-                                json=chat(max_tokens=30, stream=True, stream_options={"include_usage": True})) as r:
+        async with session.post(f"{url}/v1/chat/completions", headers=headers, json=body) as r:
             async for raw in r.content:
                 line = raw.strip()
                 if not line.startswith(b"data: "):
@@ -108,8 +109,13 @@ async def test_metering_survives_a_gateway_sigkill(tmp_path: Path, postgres_sche
         outcomes: list[dict] = [{} for _ in range(200)]
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=60)) as session:
-            clients = asyncio.gather(*(stream_one(session, url, headers, o) for o in outcomes))
-            await asyncio.sleep(random.uniform(1.0, 2.0))  # streams take 1-3 s here: some done, some not
+            # Streams of 5 to 80 tokens (0.15 to 2.4 s): they end over a spread of time, and the kill
+            # lands once a random number of them (20 to 120) have ended.
+            clients = asyncio.gather(*(stream_one(session, url, headers, o, random.randint(5, 80))
+                                       for o in outcomes))
+            target = random.randint(20, 120)
+            while sum("done" in o for o in outcomes) < target and not clients.done():
+                await asyncio.sleep(0.005)
             cluster.kill_gateway(port)
             await clients
         cluster.start_gateway(port)  # restarted on the same port: it replays its own spool, if any

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
 from accounting.db import create_db_engine, session_factory, upgrade_database
@@ -247,17 +247,10 @@ def test_cli_usage_report_formats(seeded_home: Path) -> None:
 # --- PostgreSQL (day truncation differs from SQLite) ----------------------------------------
 
 @pytest.mark.services
-def test_report_on_postgresql_with_a_non_utc_session(postgres_url: str) -> None:
-    schema = f"tollway_billing_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url)
-    try:
-        with admin.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except Exception as error:  # the port is open but the database is unusable
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
+def test_report_on_postgresql_with_a_non_utc_session(postgres_schema: tuple[str, str]) -> None:
     # A session time zone far from UTC: days must still be cut at UTC midnight.
-    engine = create_engine(postgres_url, connect_args={"options": f"-csearch_path={schema} -ctimezone=Asia/Tokyo"})
+    url, schema = postgres_schema  # connect_args replace the URL's options: both are given here
+    engine = create_engine(url, connect_args={"options": f"-csearch_path={schema} -ctimezone=Asia/Tokyo"})
     try:
         upgrade_database(engine)
         with session_factory(engine).begin() as session:
@@ -271,6 +264,3 @@ def test_report_on_postgresql_with_a_non_utc_session(postgres_url: str) -> None:
             assert usage_report(session, "2025-12").total.prompt_tokens == 8888
     finally:
         engine.dispose()
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
