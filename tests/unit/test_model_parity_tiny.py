@@ -90,3 +90,21 @@ def test_bfloat16_tracks_float32(tmp_path: Path) -> None:
     assert bf16.dtype == torch.float32  # logits always come back in fp32
     assert (bf16 - fp32).abs().max().item() < 0.25
     assert (bf16.argmax(-1) == fp32.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_bfloat16_logits_are_exact_fp32_for_the_top_candidates(tmp_path: Path) -> None:
+    """The head runs in bf16 (outputs rounded to bf16) but the REFINED_TOP largest logits of each
+    row are recomputed in fp32 from the same bf16 weights: no bf16 rounding where argmax and top
+    logprobs are decided."""
+    from workers.models.llama import REFINED_TOP
+    from workers.models.tiny import write_tiny_model_folder
+
+    model = load_model(write_tiny_model_folder(tmp_path / "m", vocab_size=256), torch.bfloat16).model
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 4
+    got = model.logits(hidden)
+    normed = torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), eps=model.norm.eps) * model.norm.weight.float()
+    exact = normed @ model.lm_head.weight.float().T
+    top = exact.topk(REFINED_TOP // 2, dim=-1).indices  # well inside the refined set
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-4)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert (got - exact).abs().max().item() > 1e-4  # the rest really is the bf16 matmul's output

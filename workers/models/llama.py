@@ -70,6 +70,10 @@ class DecoderLayer(nn.Module):
         return hidden + self.down_proj(F.silu(gate) * up).float()
 
 
+REFINED_TOP = 64
+"""Logits recomputed in fp32 per row when the model runs in bf16 (see LlamaForCausalLM.logits)."""
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [N], kv, meta) -> logits (fp32); see `forward`."""
 
@@ -83,7 +87,6 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(config.rope, config.head_dim, min(config.max_position_embeddings, 4096))
-        self._head_fp32: torch.Tensor | None = None  # the LM head in fp32 for bf16 models (see `logits`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,17 +127,21 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of fp32 hidden states [n, H] -> [n, V].
 
-        With bf16 weights the head still runs in fp32: a bf16 matmul rounds its outputs to bf16,
-        which quantizes logits of magnitude 16-32 to steps of 0.125 and flips near-ties of the
-        argmax (measured: 3 of 59 positions of a chat prompt). The fp32 copy of the head weight
-        (vocab × hidden × 4 bytes) is made once, on first use.
+        With bf16 weights the head matmul runs in bf16, which rounds its outputs to bf16: logits of
+        magnitude 16-32 land on steps of 0.125, enough to flip near-tie argmaxes (measured: 3 of 59
+        positions of a chat prompt). So the REFINED_TOP largest logits of each row are recomputed
+        in fp32 (their weight rows upcast: [n, k, H], cheap) and written back: the argmax, the top
+        logprobs and nearly all the probability mass are then exact, with no fp32 copy of the head.
         """
+        normed = self.norm(hidden)
+        logits = self.lm_head(normed).float()
         if self.dtype == torch.float32:
-            return self.lm_head(self.norm(hidden))
-        if self._head_fp32 is None:
-            self._head_fp32 = self.lm_head.weight.detach().float()
-        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
-        return F.linear(normed, self._head_fp32)
+            return logits
+        exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
+        top = logits.topk(min(REFINED_TOP, logits.shape[-1]), dim=-1).indices  # [n, k]
+        rows = self.lm_head.weight[top].float()  # [n, k, H]
+        exact = torch.einsum("nkh,nh->nk", rows, exact_normed)
+        return logits.scatter_(1, top, exact)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in a Hugging Face checkpoint, fusing q/k/v and gate/up.
