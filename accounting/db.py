@@ -14,7 +14,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -67,10 +67,17 @@ def alembic_config(url: str | None = None) -> Config:
     return config
 
 
+MIGRATION_LOCK_KEY = 0x746F6C6C  # "toll": the advisory lock that serialises migrations
+
+
 def _run(url_or_engine: str | Engine, action: Any, revision: str) -> None:
     engine = create_db_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
     try:
         with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                # Replicas starting together migrate one at a time (released at commit); the others
+                # then find the schema at head and do nothing.
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             config = alembic_config()
             # migrations/env.py uses this connection instead of making its own engine.
             config.attributes["connection"] = connection

@@ -94,3 +94,18 @@ def test_migrations_on_sqlite_by_url(tmp_path: Path) -> None:
 @pytest.mark.services
 def test_migrations_on_postgresql(postgres_engine: Engine) -> None:
     up_down_up(postgres_engine)
+
+
+@pytest.mark.services
+def test_replicas_migrating_at_once_serialise(postgres_schema: tuple[str, str]) -> None:
+    """Several gateways starting together on a fresh PostgreSQL database all migrate it safely."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engines = [create_engine(postgres_schema[0]) for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(upgrade_database, engines))  # raises if two ran the DDL together
+        assert_schema_at_head(engines[0])
+    finally:
+        for engine in engines:
+            engine.dispose()
