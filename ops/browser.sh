@@ -17,8 +17,8 @@ ensure_chromium() {
         return 0
     fi
     echo "Installing chromium for the browser tests (first run only)…" >&2
-    if ! { DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null \
-           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; }; then
+    if ! { DEBIAN_FRONTEND=noninteractive timeout 300 apt-get update -q >/dev/null \
+           && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q --no-install-recommends chromium >/dev/null; }; then
         echo "warning: installing chromium failed: the browser tests will skip" >&2
     fi
     return 0
