@@ -17,7 +17,7 @@ from aiohttp import web
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
 from accounting.usage_writer import UsageWriter
-from gateway import admin_api, completions, usage_api
+from gateway import admin_api, completions, files_api, usage_api
 from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
 from gateway.errors import error_middleware
 from gateway.openapi import build_openapi
@@ -142,6 +142,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/completions", completions.completions)
     admin_api.add_routes(router)
     usage_api.add_routes(router)
+    files_api.add_routes(router)
 
 
 def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True) -> web.Application:
