@@ -114,6 +114,9 @@ class Exchange:
                 raise ApiError(400, exc.message) from exc
             except StopAsyncIteration:
                 tried.add(url)
+            except asyncio.CancelledError:  # the client left before the first token: stop and bill
+                self._hand_off(url, lines)
+                raise
             await lines.aclose()
         raise ApiError(503, f"no engine worker for '{self.model}' could take the request; retry shortly",
                        code="no_worker", headers={"Retry-After": "1"})

@@ -136,3 +136,20 @@ async def test_a_key_is_released_when_the_request_fails_unbilled(aiohttp_client,
     retried = await client.post("/v1/chat/completions", headers=headers, json=chat())
     assert retried.status == 200 and "Idempotent-Replayed" not in retried.headers
     assert len(usage_rows(tmp_path)) == 1
+
+
+async def test_a_client_gone_before_the_first_token_stops_the_worker_and_is_billed(
+        aiohttp_client, aiohttp_server, tmp_path: Path) -> None:
+    worker = FakeWorker(delay_s=0.2)  # the first token takes a while
+    client, auth, _ = await gateway_for(aiohttp_client, aiohttp_server, tmp_path, worker)
+    with pytest.raises(asyncio.TimeoutError):
+        async with asyncio.timeout(0.1):
+            await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=50))
+    for _ in range(100):
+        rows = usage_rows(tmp_path)
+        if rows:
+            break
+        await asyncio.sleep(0.05)
+    [row] = rows
+    assert row.status == "client_disconnected" and row.completion_tokens < 50
+    assert not worker.running
