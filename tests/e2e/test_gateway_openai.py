@@ -13,7 +13,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.tollway_up import Tollway, child_pids, get_json, start_tollway
+from tests.e2e.tollway_up import Tollway, child_pids, start_tollway
+from tests.net import get_json
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"

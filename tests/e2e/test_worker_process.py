@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -17,15 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from gateway.tokenizer import TextTokenizer
 from tests.e2e.test_generate_cli import tollway_executable
+from tests.net import free_port
 from workers.models.tokenizer import tokenizer_payload
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post_json(url: str, payload: dict) -> list[dict]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,7 @@ from pathlib import Path
 
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.tenants import create_key, create_tenant
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.net import free_port, get_json
 
 
 def wait_for(url: str, ready, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
@@ -40,9 +34,6 @@ def wait_for(url: str, ready, process: subprocess.Popen[bytes], timeout_s: float
     raise RuntimeError(f"{url} not ready within {timeout_s} s")
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
 
 
 def prepare_tenant(database_url: str, **quotas: int) -> str:

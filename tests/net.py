@@ -1,0 +1,20 @@
+"""Small network helpers for tests that start real processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
