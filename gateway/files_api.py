@@ -10,7 +10,7 @@ done by `accounting.files` in one transaction per request in a worker thread; by
 
 Upload size: the app's `client_max_size` (TOLLWAY_MAX_BODY_MB) caps `request.read()`/`post()` and
 each multipart `part.read()`, but not `part.read_chunk()`. Uploads are therefore read chunk by chunk
-here and capped by `MAX_FILE_BYTES` instead (413 beyond it).
+here and capped by `TOLLWAY_MAX_FILE_BYTES` instead (413 beyond it).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from gateway.state import AUTH, SESSIONS, SETTINGS
 
 T = TypeVar("T")
 
-# Limits of uploaded batch input files. TODO: these become GatewaySettings fields later.
-MAX_FILE_BYTES = 100 * 2**20
-MAX_BATCH_LINES = 50_000
 MAX_FIELD_BYTES = 1024
 """Cap of the small form fields (`purpose`)."""
 
@@ -97,7 +94,7 @@ async def _read_upload(request: web.Request) -> tuple[str, str, bytes]:
                 raise invalid("nested multipart bodies are not supported")
             if part.name == "file" and data is None:
                 filename = part.filename or "upload.jsonl"
-                data = await _read_part(part, MAX_FILE_BYTES, "file")
+                data = await _read_part(part, request.app[SETTINGS].max_file_bytes, "file")
             elif part.name == "purpose" and purpose is None:
                 purpose = (await _read_part(part, MAX_FIELD_BYTES, "purpose")).decode("utf-8", "replace")
             else:
@@ -118,8 +115,10 @@ async def upload_file(request: web.Request) -> web.Response:
     if purpose not in files.USER_PURPOSES:
         raise invalid(f"purpose must be one of {', '.join(files.USER_PURPOSES)}, got {purpose!r}", "purpose")
     try:
-        # CPU work on up to MAX_FILE_BYTES: off the event loop.
-        await asyncio.to_thread(validate_batch_input, data, max_lines=MAX_BATCH_LINES, max_bytes=MAX_FILE_BYTES)
+        # CPU work on up to max_file_bytes: off the event loop.
+        settings = request.app[SETTINGS]
+        await asyncio.to_thread(validate_batch_input, data, max_lines=settings.max_batch_lines,
+                                max_bytes=settings.max_file_bytes)
     except BatchInputError as exc:
         raise invalid(str(exc), "file", code="invalid_batch_input") from exc
     store = file_store(request.app)

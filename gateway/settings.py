@@ -29,7 +29,11 @@ class GatewaySettings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL; unset = SQLite at $TOLLWAY_HOME/tollway.db."""
     max_body_mb: float = 4.0
-    """Largest accepted request body (larger → 413)."""
+    """Largest accepted request body (larger → 413); file uploads have their own limit."""
+    max_file_bytes: int = 100 * 2**20
+    """Largest file accepted by POST /v1/files (larger → 413)."""
+    max_batch_lines: int = 50_000
+    """Most requests in one batch input file."""
     auth_cache_ttl_s: float = 5.0
     """How long a key lookup is trusted without Redis invalidation."""
     health_interval_s: float = 1.0

@@ -11,9 +11,9 @@ import pytest
 import pytest_asyncio
 
 from accounting.file_store import InvalidKeyError, LocalFileStore, MissingObjectError
-from gateway import files_api
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from gateway.state import SETTINGS
 from tests.unit.test_gateway_api import make_tenant_key
 
 GOOD = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -134,10 +134,10 @@ async def test_bad_uploads(gateway) -> None:
 @pytest.mark.asyncio
 async def test_oversize_upload_is_413(gateway, monkeypatch) -> None:
     client, acme, _, _ = gateway
-    monkeypatch.setattr(files_api, "MAX_FILE_BYTES", len(GOOD) - 1)
+    monkeypatch.setattr(client.app[SETTINGS], "max_file_bytes", len(GOOD) - 1)
     response = await upload(client, acme)
     assert response.status == 413 and (await response.json())["error"]["code"] == "file_too_large"
-    monkeypatch.setattr(files_api, "MAX_FILE_BYTES", len(GOOD))
+    monkeypatch.setattr(client.app[SETTINGS], "max_file_bytes", len(GOOD))
     assert (await upload(client, acme)).status == 200
     # Far more than the limit: refused without reading the rest, and the client still gets the 413.
     response = await upload(client, acme, data=GOOD * 20_000)
