@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from accounting.file_store import FileStore
 from accounting.models import File, utcnow
-from accounting.tenants import AccountingError
+from accounting.tenants import AccountingError, NotFoundError
 
 PURPOSES = ("batch", "batch_output", "batch_errors")
 """Every purpose a file can have; only `USER_PURPOSES` can be uploaded by callers."""
@@ -26,8 +26,10 @@ MAX_LIST_LIMIT = 10_000
 ORDERS = ("asc", "desc")
 
 
-class FileNotFound(AccountingError):
+class FileNotFound(NotFoundError):
     """No live file with that id belongs to the tenant."""
+
+    code = "file_not_found"
 
 
 class InvalidFileError(AccountingError):

@@ -29,16 +29,26 @@ class AccountingError(ValueError):
     """Base of every error caused by bad input to the accounting services."""
 
 
-class TenantNotFoundError(AccountingError):
+class NotFoundError(AccountingError):
+    """The thing asked for does not exist (for the caller); `code` names what it was."""
+
+    code = "not_found"
+
+
+class TenantNotFoundError(NotFoundError):
     """No tenant has that name."""
+
+    code = "tenant_not_found"
 
 
 class TenantExistsError(AccountingError):
     """A tenant with that name exists already."""
 
 
-class KeyNotFoundError(AccountingError):
+class KeyNotFoundError(NotFoundError):
     """No API key has that id."""
+
+    code = "key_not_found"
 
 
 class InvalidQuotaError(AccountingError):

@@ -19,37 +19,17 @@ from sqlalchemy.orm import Session
 from accounting import tenants
 from gateway.auth import check_admin, publish_invalidation
 from gateway.errors import ApiError, invalid
-from gateway.request_body import read_json
-from gateway.state import ADMIN_KEY, AUTH, SESSIONS, SETTINGS
+from gateway.request_body import read_json_object
+from gateway.state import ADMIN_KEY, AUTH, SETTINGS
+from gateway.transactions import in_transaction
 
 T = TypeVar("T")
 QUOTAS = ("rpm", "tpm", "max_concurrent", "monthly_token_budget")
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    body = await read_json(request) if request.can_read_body else {}
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
-
-
 async def _in_transaction(request: web.Request, work: Callable[[Session], T], *, invalidates: bool = False) -> T:
     check_admin(request, request.app[ADMIN_KEY])
-
-    def run() -> T:
-        with request.app[SESSIONS]() as session, session.begin():
-            return work(session)
-
-    try:
-        result = await asyncio.to_thread(run)
-    except tenants.TenantNotFoundError as exc:
-        raise ApiError(404, str(exc), code="tenant_not_found") from exc
-    except tenants.KeyNotFoundError as exc:
-        raise ApiError(404, str(exc), code="key_not_found") from exc
-    except tenants.TenantExistsError as exc:
-        raise ApiError(409, str(exc), code="tenant_exists") from exc
-    except tenants.AccountingError as exc:
-        raise invalid(str(exc)) from exc
+    result = await in_transaction(request, work)
     if invalidates:
         request.app[AUTH].invalidate()
         await asyncio.to_thread(publish_invalidation, request.app[SETTINGS].redis_url)
@@ -79,7 +59,7 @@ async def list_tenants(request: web.Request) -> web.Response:
 
 async def create_tenant(request: web.Request) -> web.Response:
     """Create a tenant: {name, rpm?, tpm?, max_concurrent?, monthly_token_budget?}."""
-    body = await _json_object(request)
+    body = await read_json_object(request)
     unknown = set(body) - {"name", *QUOTAS}
     if unknown:
         raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
@@ -97,7 +77,7 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 async def update_tenant(request: web.Request) -> web.Response:
     """Change quotas (null = unlimited) or disable/enable: {rpm?, tpm?, ..., disabled?}."""
-    name, updates = request.match_info["name"], _quota_updates(await _json_object(request))
+    name, updates = request.match_info["name"], _quota_updates(await read_json_object(request))
     row = await _in_transaction(
         request, lambda s: tenants.tenant_to_dict(tenants.update_tenant(s, name, **updates)), invalidates=True)
     return web.json_response(row)
@@ -121,7 +101,7 @@ def _expiry(body: dict[str, Any]) -> datetime | None:
 
 async def create_key(request: web.Request) -> web.Response:
     """Create a key for a tenant: {tenant, name?, expires_in_days?}. The key is in this answer only."""
-    body = await _json_object(request)
+    body = await read_json_object(request)
     tenant, name, expires_at = body.get("tenant"), body.get("name"), _expiry(body)
     if not isinstance(tenant, str):
         raise invalid("'tenant' (a tenant name) is required", "tenant")
@@ -149,7 +129,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 async def rotate_key(request: web.Request) -> web.Response:
     """Replace a key: {grace_seconds?=3600}; the old key keeps working for the grace period."""
-    key_id, body = _key_id(request), await _json_object(request)
+    key_id, body = _key_id(request), await read_json_object(request)
     grace = body.get("grace_seconds", 3600)
 
     def work(session: Session) -> dict[str, Any]:

@@ -16,8 +16,7 @@ here and capped by `TOLLWAY_MAX_FILE_BYTES` instead (413 beyond it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import BodyPartReader, web
 from sqlalchemy.orm import Session
@@ -25,12 +24,10 @@ from sqlalchemy.orm import Session
 from accounting import files
 from accounting.batch_input import BatchInputError, validate_batch_input
 from accounting.file_store import FileStore, LocalFileStore
-from accounting.tenants import AccountingError
 from gateway.auth import bearer_token
 from gateway.errors import ApiError, invalid
-from gateway.state import AUTH, SESSIONS, SETTINGS
-
-T = TypeVar("T")
+from gateway.state import AUTH, SETTINGS
+from gateway.transactions import in_transaction
 
 MAX_FIELD_BYTES = 1024
 """Cap of the small form fields (`purpose`)."""
@@ -51,20 +48,6 @@ def file_store(app: web.Application) -> FileStore:
 
 async def _tenant_id(request: web.Request) -> int:
     return (await request.app[AUTH].authenticate(bearer_token(request))).tenant_id
-
-
-async def _run(request: web.Request, work: Callable[[Session], T]) -> T:
-    """`work` in one transaction in a worker thread; unknown file → 404, bad input → 400."""
-    def run() -> T:
-        with request.app[SESSIONS]() as session, session.begin():
-            return work(session)
-
-    try:
-        return await asyncio.to_thread(run)
-    except files.FileNotFound as exc:
-        raise ApiError(404, str(exc), param="file_id", code="file_not_found") from exc
-    except AccountingError as exc:
-        raise invalid(str(exc)) from exc
 
 
 async def _read_part(part: BodyPartReader, limit: int, name: str) -> bytes:
@@ -130,7 +113,7 @@ async def upload_file(request: web.Request) -> web.Response:
         return files.file_to_dict(row)
 
     try:
-        body = await _run(request, work)
+        body = await in_transaction(request, work, not_found_param="file_id")
     except BaseException:
         # The row was not committed: its bytes must not linger in the store.
         for key in created:
@@ -161,7 +144,7 @@ async def list_files(request: web.Request) -> web.Response:
         rows, more = files.list_files(session, tenant_id, purpose, limit=limit, after=after, order=order)
         return [files.file_to_dict(f) for f in rows], more
 
-    data, has_more = await _run(request, work)
+    data, has_more = await in_transaction(request, work, not_found_param="file_id")
     return web.json_response({"object": "list", "data": data, "has_more": has_more,
                               "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None})
@@ -171,7 +154,9 @@ async def retrieve_file(request: web.Request) -> web.Response:
     """Retrieve one of your tenant's files (its metadata)."""
     tenant_id = await _tenant_id(request)
     file_id = request.match_info["file_id"]
-    return web.json_response(await _run(request, lambda s: files.file_to_dict(files.get_file(s, tenant_id, file_id))))
+    row = await in_transaction(request, lambda s: files.file_to_dict(files.get_file(s, tenant_id, file_id)),
+                               not_found_param="file_id")
+    return web.json_response(row)
 
 
 async def file_content(request: web.Request) -> web.Response:
@@ -179,7 +164,8 @@ async def file_content(request: web.Request) -> web.Response:
     tenant_id = await _tenant_id(request)
     file_id = request.match_info["file_id"]
     store = file_store(request.app)
-    data = await _run(request, lambda s: files.read_file_content(s, store, tenant_id, file_id))
+    data = await in_transaction(request, lambda s: files.read_file_content(s, store, tenant_id, file_id),
+                                not_found_param="file_id")
     return web.Response(body=data, content_type="application/octet-stream")
 
 
@@ -187,7 +173,8 @@ async def delete_file(request: web.Request) -> web.Response:
     """Delete one of your tenant's files (its bytes are removed; the record is kept, marked deleted)."""
     tenant_id = await _tenant_id(request)
     file_id = request.match_info["file_id"]
-    row = await _run(request, lambda s: files.delete_file(s, tenant_id, file_id))
+    row = await in_transaction(request, lambda s: files.delete_file(s, tenant_id, file_id),
+                               not_found_param="file_id")
     await asyncio.to_thread(file_store(request.app).delete, row.storage_key)  # after the commit
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 

@@ -11,38 +11,22 @@ Views are thin, like `gateway.admin_api`: the report is built in a worker thread
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 from sqlalchemy.orm import Session
 
 from accounting import prices, report_render, reports
-from accounting.tenants import AccountingError, TenantNotFoundError
-from gateway.admin_api import _json_object
+from accounting.tenants import AccountingError
 from gateway.auth import bearer_token, check_admin
 from gateway.errors import ApiError, invalid
-from gateway.state import ADMIN_KEY, AUTH, SESSIONS
+from gateway.request_body import read_json_object
+from gateway.state import ADMIN_KEY, AUTH
+from gateway.transactions import in_transaction
 
-T = TypeVar("T")
 FORMATS = ("json", "csv", "html")
 PRICE_FIELDS = ("model", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "batch_discount",
                 "effective_from")
-
-
-async def _run(request: web.Request, work: Callable[[Session], T]) -> T:
-    """`work` in one transaction in a worker thread; accounting errors → 404 / 400."""
-    def run() -> T:
-        with request.app[SESSIONS]() as session, session.begin():
-            return work(session)
-
-    try:
-        return await asyncio.to_thread(run)
-    except TenantNotFoundError as exc:
-        raise ApiError(404, str(exc), param="tenant", code="tenant_not_found") from exc
-    except AccountingError as exc:
-        raise invalid(str(exc)) from exc
 
 
 def _report_query(request: web.Request) -> tuple[str, str, bool]:
@@ -67,7 +51,8 @@ def _report_query(request: web.Request) -> tuple[str, str, bool]:
 
 async def _report_response(request: web.Request, tenant: str | None) -> web.Response:
     month, fmt, daily = _report_query(request)
-    report = await _run(request, lambda s: reports.usage_report(s, month, tenant))
+    report = await in_transaction(request, lambda s: reports.usage_report(s, month, tenant),
+                                  not_found_param="tenant")
     if fmt == "csv":
         name = f"usage-{month}{'-' + tenant if tenant else ''}{'-daily' if daily else ''}.csv"
         return web.Response(text=report_render.to_csv(report, daily=daily), content_type="text/csv",
@@ -98,7 +83,7 @@ async def list_prices(request: web.Request) -> web.Response:
     """List model prices per 1M tokens with their periods, optionally ?model=M."""
     check_admin(request, request.app[ADMIN_KEY])
     model = request.query.get("model")
-    rows = await _run(request, lambda s: [prices.price_to_dict(p) for p in prices.list_prices(s, model)])
+    rows = await in_transaction(request, lambda s: [prices.price_to_dict(p) for p in prices.list_prices(s, model)])
     return web.json_response({"object": "list", "data": rows})
 
 
@@ -109,7 +94,7 @@ async def set_price(request: web.Request) -> web.Response:
     effective_from?=now}; prices as decimal strings (exact) or JSON numbers, effective_from ISO 8601.
     """
     check_admin(request, request.app[ADMIN_KEY])
-    body = await _json_object(request)
+    body = await read_json_object(request)
     unknown = set(body) - set(PRICE_FIELDS)
     if unknown:
         raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
@@ -128,7 +113,7 @@ async def set_price(request: web.Request) -> web.Response:
             batch_discount=body.get("batch_discount") or 0, effective_from=start)
         return prices.price_to_dict(price)
 
-    return web.json_response(await _run(request, work), status=201)
+    return web.json_response(await in_transaction(request, work), status=201)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
