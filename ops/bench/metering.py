@@ -36,6 +36,7 @@ from accounting.models import UsageEvent
 from accounting.tenants import create_tenant
 from accounting.usage import UsageRecord
 from accounting.usage_writer import UsageWriter
+from ops.bench.http_load import percentile
 
 DEFAULT_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 GOAL_ROWS_PER_S = 5_000
@@ -53,11 +54,6 @@ class Result:
     @property
     def rows_per_s(self) -> float:
         return self.rows / self.seconds
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @contextmanager

@@ -1,0 +1,188 @@
+"""Closed-loop HTTP load for the benchmarks: child processes, clients, latency and CPU per request.
+
+`closed_loop` runs C clients back to back (each sends its next request as soon as its last one
+ended) for a warm-up and then a measured window, and reads the CPU time of the given processes
+(from /proc) at the window's edges, so a result carries CPU ms per request as well as latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WARMUP_S = 1.0
+STARTUP_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Service:
+    """A child process whose output goes to a log file (shown when it dies)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env,
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.name} exited with status {self.process.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def child_env(**tollway: str) -> dict[str, str]:
+    """This environment without any inherited TOLLWAY_* setting, plus `tollway`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLWAY_")}
+    env.update(tollway)
+    return env
+
+
+async def wait_healthy(session: aiohttp.ClientSession, service: Service, url: str,
+                       ready: Callable[[dict[str, Any]], bool]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        service.check_alive()
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200 and ready(await response.json()):
+                    return
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{service.name} not healthy at {url} after {STARTUP_TIMEOUT_S:.0f} s "
+                               f"(log: {service.log_path})")
+        await asyncio.sleep(0.1)
+
+
+@dataclass
+class Sample:
+    start: float
+    end: float
+    first_byte: float
+
+
+Request = Callable[[aiohttp.ClientSession], Awaitable[float]]
+"""Sends one request and reads the whole answer; returns when the first byte came (perf_counter)."""
+
+
+def post_request(url: str, body: Callable[[], bytes], headers: dict[str, str], what: str) -> Request:
+    """A Request that POSTs `body()` to `url` and reads the whole answer (a non-200 is an error)."""
+
+    async def send(session: aiohttp.ClientSession) -> float:
+        async with session.post(url, data=body(), headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{what} answered {response.status}: {(await response.text())[:200]}")
+            await response.content.readany()
+            first = time.perf_counter()
+            await response.content.read()
+            return first
+
+    return send
+
+
+@dataclass
+class RunResult:
+    target: str
+    concurrency: int
+    stream: bool
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    ttfb_p50_ms: float
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # process name -> CPU ms / request
+    first_error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def closed_loop(target: str, send: Request, concurrency: int, seconds: float, stream: bool,
+                      pids: dict[str, int]) -> RunResult:
+    """C clients back to back for WARMUP_S + `seconds`; only requests inside the measured window count."""
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1), force_close=False)
+    samples: list[Sample] = []
+    errors: list[str] = []
+    loop_start = time.perf_counter()
+    window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
+    cpu: dict[str, list[float]] = {}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while (start := time.perf_counter()) < window_end:
+            try:
+                first = await send(session)
+            except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+                if start >= window_start:
+                    errors.append(repr(exc))
+                continue
+            samples.append(Sample(start, time.perf_counter(), first))
+
+    async def cpu_meter() -> None:
+        # Read CPU times at the window's edges; includes the self process (the load generator).
+        for edge in (window_start, window_end):
+            await asyncio.sleep(max(0.0, edge - time.perf_counter()))
+            for name, pid in pids.items():
+                cpu.setdefault(name, []).append(cpu_seconds(pid))
+
+    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
+                                     auto_decompress=False) as session:
+        await asyncio.gather(cpu_meter(), *(client(session) for _ in range(concurrency)))
+
+    measured = [s for s in samples if s.start >= window_start and s.end <= window_end]
+    latencies = [s.end - s.start for s in measured]
+    ttfb = [s.first_byte - s.start for s in measured]
+    n = len(measured)
+    return RunResult(
+        target=target, concurrency=concurrency, stream=stream, requests=n, errors=len(errors),
+        seconds=seconds, rps=n / seconds, p50_ms=percentile(latencies, 0.5) * 1e3,
+        p99_ms=percentile(latencies, 0.99) * 1e3, ttfb_p50_ms=percentile(ttfb, 0.5) * 1e3,
+        cpu_ms_per_request={name: (after - before) * 1e3 / n if n else float("nan")
+                            for name, (before, after) in cpu.items()},
+        first_error=errors[0] if errors else None,
+    )
