@@ -17,7 +17,7 @@ from gateway.quotas import (
     Limits,
     Ticket,
     Usage,
-    check_scope,
+    check_admission,
     decide,
     previous_month,
     refusal,
@@ -48,9 +48,7 @@ class LocalQuotaStore:
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None
     ) -> Decision:
         """Check and charge every limit of `scope` at once (no await inside: atomic on the loop)."""
-        check_scope(scope)
-        if reserve_tokens < 0:
-            raise ValueError("reserve_tokens must be >= 0")
+        check_admission(scope, reserve_tokens)
         now = time.time() if now is None else now
         state = self._scopes.setdefault(scope, _ScopeState())
         second = math.floor(now)

@@ -41,7 +41,7 @@ from gateway.quotas import (
     QuotaUnavailable,
     Ticket,
     Usage,
-    check_scope,
+    check_admission,
     decide,
 )
 
@@ -191,9 +191,7 @@ class RedisQuotaStore:
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None
     ) -> Decision:
         """Check and charge every limit of `scope` in one Lua script (atomic across replicas)."""
-        check_scope(scope)
-        if reserve_tokens < 0:
-            raise ValueError("reserve_tokens must be >= 0")
+        check_admission(scope, reserve_tokens)
         keys = [self.key(scope, "rq"), self.key(scope, "tk"), self.key(scope, "lease"), self.key(scope, "budget")]
         args: list[str | int | float] = [
             "" if now is None else repr(float(now)), WINDOW_S, _arg(limits.rpm), _arg(limits.tpm),

@@ -177,10 +177,13 @@ def previous_month(month: int) -> int:
     return month - 89 if month % 100 == 1 else month - 1
 
 
-def check_scope(scope: str) -> None:
-    """Scopes go into Redis hash tags, so braces would split a scope's keys across cluster slots."""
+def check_admission(scope: str, reserve_tokens: int) -> None:
+    """Arguments every store refuses alike. Scopes go into Redis hash tags, so braces would split a
+    scope's keys across cluster slots."""
     if not scope or "{" in scope or "}" in scope:
         raise ValueError(f"a quota scope must be non-empty and without braces: {scope!r}")
+    if reserve_tokens < 0:
+        raise ValueError("reserve_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
