@@ -14,7 +14,7 @@ from workers.engine.params import SamplingParams
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
-from workers.precision import resolve_dtype
+from workers.precision import resolve_device, resolve_dtype
 from workers.settings import WorkerSettings
 
 
@@ -23,8 +23,13 @@ def set_threads(num_threads: int) -> None:
 
 
 def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
-    """Resolve (converting once if needed) and load a model, with progress on the console."""
+    """Resolve (converting once if needed) and load a model onto the settings' device, with progress
+    on the console."""
     set_threads(settings.num_threads)
+    try:
+        device = resolve_device(settings.device)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         with console.status(f"Loading {model}…"):
             folder = resolve_model_folder(
@@ -34,7 +39,7 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
                     f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
                 ),
             )
-            return load_model(folder, resolve_dtype(dtype))
+            return load_model(folder, resolve_dtype(dtype, device), device)
     except (ModelNotFoundError, ModelFolderError) as exc:
         raise click.ClickException(str(exc)) from exc
 

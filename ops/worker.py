@@ -16,8 +16,8 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     loaded = load_named_model(settings, model, dtype, console)
     engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model))
     info = engine.info()
-    console.print(f"worker: {model} ({info['dtype']}), {info['blocks']['total']} KV blocks of {info['block_size']} "
-                  f"tokens, on http://{host}:{port}")
+    console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
+                  f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
         # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
         web.run_app(create_worker_app(engine), host=host, port=port, print=None, handler_cancellation=True)

@@ -1,4 +1,5 @@
-"""Choosing the compute dtype: bf16 where the hardware computes it natively, fp32 elsewhere."""
+"""Choosing where the model runs and in what dtype: CUDA when there is one, else the CPU; bf16 where
+the hardware computes it natively, fp32 elsewhere."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 @cache
@@ -38,3 +40,16 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[name]
+
+
+def resolve_device(name: str) -> str:
+    """Map a --device choice to a torch device string; `auto` is the first GPU when CUDA sees one."""
+    if name == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+        return name
+    raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")

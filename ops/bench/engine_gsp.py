@@ -9,6 +9,9 @@ transformers' static batched `generate` in fp32 and bf16, and its continuous-bat
 engine's decode step at batch 32 against a roofline of the model's matmuls alone.
 
     .venv/bin/python ops/bench/engine_gsp.py [--groups 4 --per-group 8 --system 350 --question 30 --output 32]
+        [--device auto|cpu|cuda]
+
+On a GPU the engine's attention runs through the Triton kernels, and every model lives on the GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
-from workers.precision import resolve_dtype
+from workers.precision import DEVICE_CHOICES, resolve_device, resolve_dtype
 
 KV_BUDGET = 2 * 2**30  # the engine's default: room for every sequence of the workloads at once
 
@@ -90,8 +93,8 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name:
 @torch.inference_mode()
 def run_hf_static(model, prompts: list[list[int]], output: int, name: str) -> Result:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     config = GenerationConfig(do_sample=False, pad_token_id=0, eos_token_id=None)
     start = time.perf_counter()
     model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=1, min_new_tokens=1)
@@ -144,9 +147,9 @@ def decode_step_vs_roofline(loaded: LoadedModel, batch: int, context: int, repea
         engine.step()
         times.append(time.perf_counter() - start)
     model = loaded.model
-    x = torch.randn(batch, model.config.hidden_size, dtype=model.dtype)
-    gate_up = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype)
-    q = torch.randn(batch, model.config.q_size, dtype=model.dtype)
+    x = torch.randn(batch, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    gate_up = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype, device=model.device)
+    q = torch.randn(batch, model.config.q_size, dtype=model.dtype, device=model.device)
 
     def matmuls() -> None:
         for layer in model.layers:
@@ -161,6 +164,8 @@ def decode_step_vs_roofline(loaded: LoadedModel, batch: int, context: int, repea
         for _ in range(repeats):
             start = time.perf_counter()
             matmuls()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
     return statistics.median(times), best
 
@@ -175,13 +180,16 @@ def main() -> None:
     parser.add_argument("--question", type=int, default=30)
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--skip-generate-batch", action="store_true", help="skip transformers generate_batch")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     folder = resolve_model_folder(args.model, args.home)
-    dtype = resolve_dtype("auto")
-    ours = load_model(folder, dtype)
-    hf = {dt: AutoModelForCausalLM.from_pretrained(folder, dtype=dt).eval() for dt in (torch.float32, torch.bfloat16)}
-    print(f"threads={torch.get_num_threads()}  engine dtype={str(dtype).removeprefix('torch.')}  "
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    ours = load_model(folder, dtype, device)
+    hf = {dt: AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(device).eval()
+          for dt in (torch.float32, torch.bfloat16)}
+    print(f"device={device}  threads={torch.get_num_threads()}  engine dtype={str(dtype).removeprefix('torch.')}  "
           f"{args.groups} groups x {args.per_group} prompts, system {args.system} + question {args.question} "
           f"tokens, {args.output} output tokens, all submitted at once")
     for shared in (True, False):

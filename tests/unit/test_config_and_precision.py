@@ -8,7 +8,7 @@ import torch
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.rope import inverse_frequencies
 from workers.models.tiny import tiny_config
-from workers.precision import cpu_has_native_bf16, resolve_dtype
+from workers.precision import cpu_has_native_bf16, resolve_device, resolve_dtype
 
 
 def test_rope_parameters_of_transformers_5_and_legacy_rope_theta_agree() -> None:
@@ -60,3 +60,16 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     assert cpu_has_native_bf16.__wrapped__(fake) is False
     fake.write_text("flags\t\t: fpu sse avx2\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is False
+
+
+def test_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda:0"
+    assert resolve_device("cuda:1") == "cuda:1"

@@ -30,22 +30,22 @@ def read_model_config(folder: Path) -> ModelConfig:
         raise ModelFolderError(f"{folder}/config.json: {exc}") from exc
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
-    """An uninitialised model of `config` (weights allocated, not filled) in `dtype`."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
+    """An uninitialised model of `config` (weights allocated on `device`, not filled) in `dtype`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
     files = sorted(folder.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         weights.update(load_file(str(path)))
-    model = build_model(config, dtype)
+    model = build_model(config, dtype, device)
     try:
         model.load_hf_state_dict(weights)
     except (ValueError, RuntimeError) as exc:
@@ -62,13 +62,13 @@ def eos_token_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_model(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    """Load weights, tokenizer and stop ids from a checked model folder."""
+def load_model(folder: Path, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+    """Load weights (onto `device`), tokenizer and stop ids from a checked model folder."""
     check_model_folder(folder)
     config = read_model_config(folder)
     return LoadedModel(
         folder=folder,
-        model=load_weights(folder, config, dtype),
+        model=load_weights(folder, config, dtype, device),
         tokenizer=TokenCodec.from_folder(folder),
         eos_token_ids=eos_token_ids(folder, config),
     )
