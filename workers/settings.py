@@ -16,7 +16,7 @@ class WorkerSettings(BaseSettings):
     model: str = "smollm2-135m-instruct"
     """Built-in model name or path to a local Hugging Face folder."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AMX-BF16, else fp32."""
+    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AVX512-BF16 / AMX-BF16, else fp32."""
     device: str = "auto"
     """Where the model runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda[:N]."""
     num_threads: int = 0

@@ -56,7 +56,9 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     fake = tmp_path / "cpuinfo"
     fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is True
-    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")  # no AMX: bf16 is not faster
+    fake.write_text("processor: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n")  # bf16 dot products, no AMX
+    assert cpu_has_native_bf16.__wrapped__(fake) is True
+    fake.write_text("processor: 0\nflags\t\t: fpu sse avx2 avx512f\n")  # no bf16 instructions
     assert cpu_has_native_bf16.__wrapped__(fake) is False
     fake.write_text("flags\t\t: fpu sse avx2\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is False
