@@ -25,6 +25,7 @@ from sqlalchemy import (
     MetaData,
     Numeric,
     String,
+    Text,
     TypeDecorator,
     UniqueConstraint,
 )
@@ -222,10 +223,11 @@ class File(Base):
 
 
 class Batch(Base):
-    """An OpenAI-style batch job (states: validating → in_progress → finalizing → completed, ...)."""
+    """An OpenAI-style batch job (states and transitions: `accounting.batches`)."""
 
     __tablename__ = "batches"
-    __table_args__ = (Index("ix_batches_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+                      Index("ix_batches_status", "status"))
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "batch_…"
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), nullable=False)
@@ -250,3 +252,39 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    estimated_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    """Prompt + max_tokens estimate of all lines: counts against the tenant's queued batch tokens."""
+    runner_id: Mapped[str | None] = mapped_column(String(64))
+    """The batch runner holding the lease (only it moves the batch on); None = unclaimed."""
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    """When a run task was last queued for it (the sweep re-queues stalled batches)."""
+
+
+class BatchResult(Base):
+    """The outcome of one input line of a batch; at most one per line (UNIQUE(batch_id, line)).
+
+    `status_code` is the gateway's HTTP status (200 = completed, anything else failed) with the
+    response `body`; a line that never got an HTTP answer (expired, cancelled) has `error_code`.
+    """
+
+    __tablename__ = "batch_results"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "line"),
+        *(CheckConstraint(f"{c} >= 0", name=f"{c}_non_negative")
+          for c in ("prompt_tokens", "cached_tokens", "completion_tokens")),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"), nullable=False)
+    line: Mapped[int] = mapped_column(Integer, nullable=False)
+    custom_id: Mapped[str] = mapped_column(Text, nullable=False)
+    request_id: Mapped[str | None] = mapped_column(String(64))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    body: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)

@@ -17,8 +17,9 @@ from aiohttp import web
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
 from accounting.usage_writer import UsageWriter
-from gateway import admin_api, completions, files_api, usage_api
+from gateway import admin_api, batches_api, completions, files_api, usage_api
 from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
+from gateway.batch_dispatch import setup_batches
 from gateway.errors import error_middleware
 from gateway.openapi import build_openapi
 from gateway.quota_local import LocalQuotaStore
@@ -143,6 +144,7 @@ def setup_routes(app: web.Application) -> None:
     admin_api.add_routes(router)
     usage_api.add_routes(router)
     files_api.add_routes(router)
+    batches_api.add_routes(router)
 
 
 def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True) -> web.Application:
@@ -154,6 +156,7 @@ def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True)
     setup_quotas(app)
     setup_metering(app)
     setup_workers(app)
+    setup_batches(app, settings.celery_broker_url)
     setup_routes(app)
     return app
 

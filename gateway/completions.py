@@ -3,7 +3,8 @@
 A request goes: auth → validate → tokenize → Idempotency-Key (replay?) → quota admission
 (prompt + max_tokens reserved) → an `Exchange` to a worker (gateway/proxy.py), which bills it →
 quota settlement to the tokens actually used. Quota headers go on every response of an admitted
-or rejected request.
+or rejected request. Batch lines (a runner's request with `X-Tollway-Batch-Id`, gateway/batch_lines.py)
+skip the quotas and run at `batch` priority, metered with their batch id.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from typing import Literal
 
 from aiohttp import web
 
+from accounting.tenants import AuthRecord
 from gateway import idempotency
 from gateway.auth import bearer_token
+from gateway.batch_lines import batch_caller
 from gateway.errors import ApiError, invalid
 from gateway.metering import RequestMeter
 from gateway.openai_params import GenerationRequest, parse_request
 from gateway.proxy import Exchange
-from gateway.quotas import Limits, QuotaUnavailable
+from gateway.quotas import Decision, Limits, QuotaUnavailable
 from gateway.request_body import read_json
 from gateway.responses import ResponseBuilder
 from gateway.state import AUTH, POOL, QUOTAS, SESSIONS
@@ -69,12 +72,12 @@ def completion_budget(entry: ModelEntry, params: GenerationRequest, num_prompt: 
 
 
 def worker_body(request_id: str, namespace: str, prompt: list[int], params: GenerationRequest,
-                max_tokens: int) -> dict[str, object]:
+                max_tokens: int, priority: str = "interactive") -> dict[str, object]:
     sampling = {**params.sampling, "max_tokens": max_tokens}
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
     return {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
-            "sampling": sampling, "priority": "interactive"}
+            "sampling": sampling, "priority": priority}
 
 
 def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
@@ -87,46 +90,64 @@ def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
                     headers=headers)
 
 
+async def admit(request: web.Request, record: AuthRecord, request_id: str, reserve: int) -> Decision:
+    """Charge the tenant's interactive quotas; a 429 (or 503) when they refuse."""
+    limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
+    try:
+        decision = await request.app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
+    except QuotaUnavailable as exc:
+        raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
+                       headers={"Retry-After": "1"}) from exc
+    request[QUOTA_HEADERS_KEY] = decision.headers()
+    if not decision.admitted:
+        raise rejection(decision.reason, decision.headers())
+    return decision
+
+
 async def handle(request: web.Request, kind: Literal["chat", "completion"]) -> web.StreamResponse:
     app = request.app
-    record = await app[AUTH].authenticate(bearer_token(request))
+    batch = await batch_caller(request)  # a batch line from a runner: billed to the batch's tenant
+    record: AuthRecord | None = None
+    if batch is not None:
+        tenant_id, key_id = batch.tenant_id, batch.key_id
+    else:
+        record = await app[AUTH].authenticate(bearer_token(request))
+        tenant_id, key_id = record.tenant_id, record.key_id
     raw = await read_json(request)
     params = parse_request(kind, raw)
+    if batch and params.stream:
+        raise invalid("batch requests cannot be streamed: remove 'stream'", "stream")
     entry = model_entry(app, params.model)
     prompt = prompt_token_ids(entry, params)
     max_tokens = completion_budget(entry, params, len(prompt))
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
-    claim = await idempotency.claim_or_replay(request, app[SESSIONS], record.tenant_id, raw, request_id)
+    claim = await idempotency.claim_or_replay(request, app[SESSIONS], tenant_id, raw, request_id)
     if isinstance(claim, idempotency.Replay):
         return claim.response()
-    try:
-        limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
-        reserve = len(prompt) + max_tokens * params.n
+    decision = None
+    if record is not None:  # batch lines skip the interactive quotas (see gateway/batch_lines.py)
         try:
-            decision = await app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
-        except QuotaUnavailable as exc:
-            raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
-                           headers={"Retry-After": "1"}) from exc
-        request[QUOTA_HEADERS_KEY] = decision.headers()
-        if not decision.admitted:
-            raise rejection(decision.reason, decision.headers())
-    except BaseException:
-        if claim is not None:
-            await idempotency.release(app[SESSIONS], claim)
-        raise
+            decision = await admit(request, record, request_id, len(prompt) + max_tokens * params.n)
+        except BaseException:
+            if claim is not None:
+                await idempotency.release(app[SESSIONS], claim)
+            raise
 
-    namespace = f"tenant-{record.tenant_id}"  # set here, from the key: clients never choose it
-    meter = RequestMeter(request_id, record.tenant_id, record.key_id, entry.name, len(prompt))
+    namespace = f"tenant-{tenant_id}"  # set here, from the key or batch: clients never choose it
+    meter = RequestMeter(request_id, tenant_id, key_id, entry.name, len(prompt),
+                         batch_id=batch.batch_id if batch else None)
     exchange = Exchange(request, params, entry.name, namespace, prompt,
-                        worker_body(request_id, namespace, prompt, params, max_tokens),
+                        worker_body(request_id, namespace, prompt, params, max_tokens,
+                                    "batch" if batch else "interactive"),
                         ResponseBuilder(kind, request_id, entry.name, int(time.time()), entry.tokenizer,
                                         params.logprobs is not None),
                         meter, claim if isinstance(claim, idempotency.Claim) else None)
     try:
         return await (exchange.respond_stream() if params.stream else exchange.respond_json())
     finally:
-        await app[QUOTAS].settle(decision.ticket, meter.total_tokens())
+        if decision is not None:
+            await app[QUOTAS].settle(decision.ticket, meter.total_tokens())
         if claim is not None:  # a no-op when the response was stored with the usage row
             await idempotency.release(app[SESSIONS], claim)
 

@@ -33,6 +33,12 @@ SCHEMAS: dict[str, Any] = {
     "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
         **_SAMPLING, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}},
+    "BatchCreateRequest": {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+                           "properties": {"input_file_id": {"type": "string"},
+                                          "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions"]},
+                                          "completion_window": {"enum": ["24h"]},
+                                          "metadata": {"type": ["object", "null"],
+                                                       "additionalProperties": {"type": "string"}}}},
     "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "null"]}}}}},
@@ -40,6 +46,7 @@ SCHEMAS: dict[str, Any] = {
 REQUEST_BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
+    "/v1/batches": "BatchCreateRequest",
 }
 
 

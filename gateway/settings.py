@@ -34,6 +34,11 @@ class GatewaySettings(BaseSettings):
     """Largest file accepted by POST /v1/files (larger → 413)."""
     max_batch_lines: int = 50_000
     """Most requests in one batch input file."""
+    max_queued_batch_tokens: int = 10_000_000
+    """Per tenant: the estimated tokens (prompt + max_tokens of every line) of its unfinished batches;
+    POST /v1/batches beyond it is a 429. 0 = unlimited."""
+    broker_url: str | None = None
+    """Celery broker of the batch jobs; unset = `redis_url` if set, else SQLite in $TOLLWAY_HOME."""
     auth_cache_ttl_s: float = 5.0
     """How long a key lookup is trusted without Redis invalidation."""
     health_interval_s: float = 1.0
@@ -44,6 +49,15 @@ class GatewaySettings(BaseSettings):
     router_balance_rel: float = 1.5
     router_cache_threshold: float = 0.5
     access_log: bool = False
+
+    @property
+    def celery_broker_url(self) -> str:
+        """The broker batch jobs are queued on (workers/jobs/settings.py resolves it the same way)."""
+        if self.broker_url:
+            return self.broker_url
+        if self.redis_url:
+            return self.redis_url
+        return f"sqla+sqlite:///{self.home.resolve() / 'celery-broker.sqlite'}"
 
     @property
     def workers(self) -> list[str]:

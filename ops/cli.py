@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 
 from ops.admin_cli import keys, tenants
+from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
 
 NOT_BUILT_EXIT_CODE = 2
@@ -116,18 +117,7 @@ cli.add_command(usage)
 cli.add_command(prices)
 
 
-@cli.group()
-def batch() -> None:
-    """Asynchronous batch jobs. (not built yet)"""
-
-
-@batch.command("submit")
-@click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--api-key", required=True)
-@click.option("--wait", is_flag=True, help="Wait with a progress bar until the batch ends.")
-def batch_submit(**_: object) -> None:
-    """Submit a JSONL batch. (not built yet)"""
-    not_built("batch submit")
+cli.add_command(batch)
 
 
 def main() -> None:

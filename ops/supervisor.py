@@ -1,4 +1,4 @@
-"""`tollway up`: one supervisor process running the gateway and the engine workers.
+"""`tollway up`: one supervisor process running the gateway, the engine workers and the batch worker.
 
 Ownership: the supervisor owns its children. Each child is a `tollway` subcommand in its own
 process with its output in `$TOLLWAY_HOME/logs/<name>.log`. A child that exits while the
@@ -83,7 +83,18 @@ def plan_children(home: Path, port: int, num_workers: int, worker_port: int) -> 
     ]
     children.append(Child("gateway", _tollway("gateway", "--port", str(port)),
                           {**env, "TOLLWAY_WORKER_URLS": urls}, logs / "gateway.log"))
+    children.append(Child("batch-worker", batch_worker_argv(home, port),
+                          {**env, "TOLLWAY_GATEWAY_URL": f"http://127.0.0.1:{port}"}, logs / "batch-worker.log"))
     return children
+
+
+def batch_worker_argv(home: Path, port: int) -> list[str]:
+    """The Celery worker of batch jobs: 2 threads (each runs one batch step, its lines concurrently
+    through the gateway), with the beat sweep embedded (one worker: `-B` is safe here)."""
+    return [sys.executable, "-m", "celery", "-A", "workers.jobs.app", "worker", "--pool", "threads",
+            "--concurrency", "2", "--queues", "tollway.batches", "--beat",
+            "--schedule-filename", str(home / "celerybeat-schedule"), "--loglevel", "INFO",
+            "--hostname", f"tollway-{port}@%h", "--without-gossip", "--without-mingle"]
 
 
 def _ready(url: str) -> bool:
@@ -171,6 +182,7 @@ def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> i
     _, key_path = load_or_create_admin_key(settings.admin_key, home)
     where = f"in {key_path}" if key_path else "from TOLLWAY_ADMIN_KEY"
     ready = (f"[green]tollway is up[/]: http://127.0.0.1:{port}/v1 (OpenAI-compatible), "
-             f"{num_workers} engine worker(s); admin key {where}; logs in {home / 'logs'}. Ctrl-C stops.")
+             f"{num_workers} engine worker(s), a batch worker; admin key {where}; logs in {home / 'logs'}. "
+             f"Ctrl-C stops.")
     supervisor = Supervisor(plan_children(home, port, num_workers, worker_port), console)
     return supervisor.run(f"http://127.0.0.1:{port}/healthz", ready)

@@ -29,7 +29,9 @@ EXPECTED_COLUMNS = {
     "batches": {"id", "tenant_id", "key_id", "endpoint", "input_file_id", "output_file_id", "error_file_id",
                 "completion_window", "status", "metadata", "errors", "total", "completed", "failed", "created_at",
                 "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-                "cancelling_at", "cancelled_at"},
+                "cancelling_at", "cancelled_at", "estimated_tokens", "runner_id", "lease_until", "dispatched_at"},
+    "batch_results": {"id", "batch_id", "line", "custom_id", "request_id", "status_code", "body", "error_code",
+                      "error_message", "prompt_tokens", "cached_tokens", "completion_tokens", "created_at"},
 }
 
 

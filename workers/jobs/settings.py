@@ -1,0 +1,65 @@
+"""Settings of the batch runners (env prefix TOLLWAY_), read when a task runs, never at import."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class JobSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
+
+    home: Path = Path(".tollway")
+    """State folder: the SQLite database, the file store (`files/`), admin.key, the embedded broker."""
+    database_url: str | None = None
+    redis_url: str | None = None
+    broker_url: str | None = None
+    """Celery broker; unset = `redis_url` if set, else SQLite in $TOLLWAY_HOME (as the gateway)."""
+    gateway_url: str = "http://127.0.0.1:8000"
+    """Where runners send batch lines (the gateway's own /v1 routes)."""
+    admin_key: str | None = None
+    """The gateway's admin key; unset = read from $TOLLWAY_HOME/admin.key."""
+    batch_line_concurrency: int = 16
+    """Lines of one batch in flight at once (the engine batches them continuously)."""
+    batch_lease_s: float = 60.0
+    """A runner's lease on a batch; renewed every few seconds while it runs."""
+    batch_step_s: float = 300.0
+    """A run task works on one batch at most this long, then queues a continuation (batches take turns)."""
+    batch_line_timeout_s: float = 600.0
+    """Longest wait for one line's answer before it is retried."""
+    batch_sweep_interval_s: float = 30.0
+    """How often beat runs the sweep that re-queues batches whose runner vanished."""
+    batch_redispatch_after_s: float = 600.0
+    """A queued run task not started within this long is presumed lost and queued again."""
+
+    @property
+    def celery_broker_url(self) -> str:
+        """Resolved exactly as the gateway's `GatewaySettings.celery_broker_url`."""
+        if self.broker_url:
+            return self.broker_url
+        if self.redis_url:
+            return self.redis_url
+        return f"sqla+sqlite:///{self.home.resolve() / 'celery-broker.sqlite'}"
+
+    @property
+    def database(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.home / 'tollway.db'}"
+
+    def resolved_admin_key(self) -> str:
+        if self.admin_key:
+            return self.admin_key
+        path = self.home / "admin.key"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError as exc:
+            raise RuntimeError(f"no admin key: set TOLLWAY_ADMIN_KEY or start the gateway once ({path})") from exc
+
+
+@functools.cache
+def job_settings() -> JobSettings:
+    """The process's settings (read once, on first use)."""
+    return JobSettings()
