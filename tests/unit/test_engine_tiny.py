@@ -202,3 +202,31 @@ def test_prompt_continuing_into_part_of_a_cached_block_copies_it(tiny, prompts, 
     assert second.cached_len == 40  # 32 in whole blocks + 8 copied from a partly matching block
     assert second.output_ids == expected[1]
     assert_no_leaks(engine)
+
+
+def test_batch_sequences_sit_out_while_interactive_work_runs(tiny, prompts, expected) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200, max_wait_s=3600))
+    batch = [engine.add_request(f"b{i}", p, GREEDY, priority=Priority.BATCH) for i, p in enumerate(prompts[:2])]
+    engine.step()
+    engine.step()
+    progress = [s.computed_len for s in batch]
+    assert all(n > 0 for n in progress)
+    interactive = engine.add_request("i", prompts[1], GREEDY, priority=Priority.INTERACTIVE)
+    while not interactive.finished:
+        engine.step()
+        assert [s.computed_len for s in batch] == progress  # the batch yields every step meanwhile
+    assert interactive.output_ids == expected[1]
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in batch] == expected[:2]  # then resumes, and its output is unchanged
+    assert_no_leaks(engine)
+
+
+def test_aged_batch_sequences_keep_running_beside_interactive_work(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200, max_wait_s=0.0))
+    batch = engine.add_request("b", prompts[0], GREEDY, priority=Priority.BATCH)
+    engine.step()
+    before = batch.computed_len
+    engine.add_request("i", prompts[1], GREEDY, priority=Priority.INTERACTIVE)
+    engine.step()
+    assert batch.computed_len > before  # aged past max_wait_s: it no longer yields

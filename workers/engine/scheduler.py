@@ -7,9 +7,15 @@ before batch), then longest cached prefix, then arrival; a sequence that has wai
 matches the prompt in the radix tree, locks the matched path and allocates blocks only for the
 rest.
 
-When blocks run out, the newest running sequence is preempted by recompute: its computed whole
-blocks go into the prefix tree (so recomputing mostly hits the cache), its blocks are released,
-and it waits again with its output kept. A sequence that cannot fit even alone finishes with
+Batch priority yields: while any interactive sequence is running or waiting, batch sequences
+(running or waiting) sit out the step, keeping their blocks, unless they have aged past
+`max_wait_s`. Steps then cost what the interactive work alone costs, so a batch in progress adds
+to an interactive request's latency at most the remainder of the step it arrived during.
+
+When blocks run out, the newest running batch sequence is preempted by recompute (the newest
+interactive one only when no batch sequence runs): its computed whole blocks go into the prefix
+tree (so recomputing mostly hits the cache), its blocks are released, and it waits again with its
+output kept. A sequence that cannot fit even alone finishes with
 `length`. Finished and aborted sequences insert prompt + output into the tree, then release.
 """
 
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from cache.radix_tree import RadixPrefixTree
-from workers.engine.request import FinishReason, Sequence, Status
+from workers.engine.request import FinishReason, Priority, Sequence, Status
 
 
 @dataclass
@@ -75,12 +81,19 @@ class Scheduler:
 
         return sorted(self.waiting, key=key)
 
+    def _sits_out(self, seq: Sequence, now: float, interactive_present: bool) -> bool:
+        """A batch sequence yields the step to interactive work, unless it has aged."""
+        return interactive_present and seq.priority is Priority.BATCH and now - seq.arrival_time <= self.max_wait_s
+
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_batch_tokens
+        now = time.monotonic()
+        interactive_present = any(s.priority is Priority.INTERACTIVE for s in self.running) or any(
+            s.priority is Priority.INTERACTIVE for s in self.waiting)
         for seq in sorted(self.running, key=lambda s: s.arrival_order):  # oldest keep their blocks
-            if seq.status is not Status.RUNNING or budget == 0:
+            if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
                 continue
             num_new = min(seq.total_len - seq.computed_len, budget)
             copies = self._grow(seq, num_new)
@@ -88,18 +101,20 @@ class Scheduler:
                 continue  # seq itself was preempted or finished
             batch.add(seq, num_new, copies)
             budget -= num_new
-        now = time.monotonic()
         # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
         # block is the same would compute that prefix twice, so it waits and then hits the blocks
         # the first one commits.
         bs = self.pool.block_size
-        in_flight = {  # running prefills count too: their next block is committed after this step
+        in_flight = {  # running prefills count too (not those sitting out): their next block is committed soon
             (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
             for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
+            and not self._sits_out(s, now, interactive_present)
         }
         for seq in self._admission_order(now):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
+            if self._sits_out(seq, now, interactive_present):
+                continue
             next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + bs]))
             if next_block in in_flight:
                 continue
@@ -115,7 +130,8 @@ class Scheduler:
         table = seq.block_table
         assert table is not None
         while not self.pool.can_allocate(table.blocks_needed(num_new)):
-            victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival_order)
+            victim = max((s for s in self.running if s.status is Status.RUNNING),
+                         key=lambda s: (s.priority, s.arrival_order))  # batch first, then the newest
             if victim is seq and len(self.running) == 1:
                 self.finish(seq, FinishReason.LENGTH)  # cannot fit even alone
                 self.finished_by_scheduler.append(seq)
