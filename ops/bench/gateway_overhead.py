@@ -28,7 +28,11 @@ Goals (issue): added p50 <= 2 ms, added p99 <= 10 ms, >= 1,500 non-streaming req
 process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4-vCPU pod.
 
     .venv/bin/python ops/bench/gateway_overhead.py [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
-        [--no-stream] [--quotas] [--redis-url URL] [--database-url URL]
+        [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R]
+
+`--rate R` paces the C clients to R requests/s in all, for both direct and gateway runs: the added
+latency at C clients then compares the two at the same offered load (below the gateway's capacity),
+where the closed loop instead measures queueing behind whichever process saturates first.
 """
 
 from __future__ import annotations
@@ -155,12 +159,13 @@ def littles_law_added_ms(row: dict[str, Any]) -> float:
     return c * 1e3 / row["gateway_rps"] - c * 1e3 / row["direct_rps"]
 
 
-def print_report(results: list[RunResult], options: PathOptions, cores: int) -> dict[str, Any]:
+def print_report(results: list[RunResult], options: PathOptions, cores: int, rate: float | None = None) -> dict[str, Any]:
     """The table and goal lines; returns the summary that --json dumps."""
     by_key = {(r.target, r.concurrency, r.stream): r for r in results}
     levels = sorted({r.concurrency for r in results if not r.stream})
     print()
-    print("Non-streaming POST, max_tokens 8 (latency in ms; CPU = CPU ms per request of that process)")
+    pacing = f"paced at {rate:,.0f} req/s offered" if rate else "closed loop"
+    print(f"Non-streaming POST, max_tokens 8, {pacing} (latency in ms; CPU = CPU ms per request of that process)")
     header = (f"{'C':>4} | {'direct req/s':>12} {'p50':>7} {'p99':>7} | {'gateway req/s':>13} {'p50':>7} "
               f"{'p99':>7} | {'added p50':>9} {'added p99':>9} | {'gw CPU':>7} {'gw req/s/core':>13} "
               f"{'worker CPU d/g':>15} | errors d/g")
@@ -209,14 +214,14 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int) -> 
         print(f"  C={row['concurrency']:<4} added p50 {row['added_p50_ms']:+.2f} ms "
               f"({mark(row['added_p50_ms'] <= GOAL_ADDED_P50_MS)}), added p99 {row['added_p99_ms']:+.2f} ms "
               f"({mark(row['added_p99_ms'] <= GOAL_ADDED_P99_MS)})")
-    if rows:
+    if rows and not rate:  # a paced run's req/s is the offered rate, not a capacity
         best = max(rows, key=lambda row: row["gateway_rps"])
         print(f"  throughput: best measured {best['gateway_rps']:,.0f} req/s at C={best['concurrency']} "
               f"({mark(best['gateway_rps'] >= GOAL_RPS)}; a lower bound here), gateway CPU "
               f"{best['gateway_cpu_ms_per_request']:.3f} ms/request there = {best['gateway_rps_per_core']:,.0f} "
               f"req/s per core of gateway ({mark(best['gateway_rps_per_core'] >= GOAL_RPS)})")
     predicted = [f"C={row['concurrency']} {littles_law_added_ms(row):+.1f} ms" for row in rows
-                 if row["concurrency"] > 1 and row["gateway_rps"] > 0 and row["direct_rps"] > 0]
+                 if not rate and row["concurrency"] > 1 and row["gateway_rps"] > 0 and row["direct_rps"] > 0]
     if predicted:
         print("  Little's law (closed loop: mean latency = C / req/s) predicts the added latency from throughput "
               f"alone: {', '.join(predicted)}; where that matches, the added latency is queueing behind a "
@@ -226,7 +231,7 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int) -> 
     print(f"Note: {cores} cores here, shared by the load generator (this process), the gateway and the fake "
           "worker, so measured gateway req/s is a lower bound and latency at high C includes waiting for a "
           "core; 'gw req/s/core' = 1 / gateway CPU s per request is the per-process capacity on one free core.")
-    return {"rows": rows, "runs": [asdict(r) for r in results], "note": options.note(), "cores": cores,
+    return {"rows": rows, "runs": [asdict(r) for r in results], "note": options.note(), "cores": cores, "rate": rate,
             "goals": {"added_p50_ms": GOAL_ADDED_P50_MS, "added_p99_ms": GOAL_ADDED_P99_MS, "rps": GOAL_RPS},
             "anchor": ANCHOR}
 
@@ -299,7 +304,7 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
         for target, send, c, stream in plan:
             for service in services:
                 service.check_alive()
-            result = await closed_loop(target, send, c, args.seconds, stream, pids)
+            result = await closed_loop(target, send, c, args.seconds, stream, pids, rate=args.rate)
             results.append(result)
             print(f"  {target:8} C={c:<4}{' stream' if stream else '       '} {result.rps:9,.0f} req/s  "
                   f"p50 {result.p50_ms:7.2f} ms  p99 {result.p99_ms:7.2f} ms  errors {result.errors}", flush=True)
@@ -323,6 +328,8 @@ def main() -> None:
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also dump the results as JSON (to stdout, or to PATH)")
     parser.add_argument("--no-stream", action="store_true", help="skip the streaming run at C=1")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="pace the C clients to this many requests/s in all (default: closed loop)")
     parser.add_argument("--quotas", action="store_true",
                         help="give the tenant finite, generous quotas (every dimension checked)")
     parser.add_argument("--redis-url", default=None, help="quota store in this Redis (default: in-process)")
@@ -344,7 +351,7 @@ def main() -> None:
         results = asyncio.run(run(args, home, options))
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    summary = print_report(results, options, cores)
+    summary = print_report(results, options, cores, args.rate)
     text = json.dumps(finite(summary), indent=2)
     if args.json == "-":
         print(text)

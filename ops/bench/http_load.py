@@ -3,6 +3,9 @@
 `closed_loop` runs C clients back to back (each sends its next request as soon as its last one
 ended) for a warm-up and then a measured window, and reads the CPU time of the given processes
 (from /proc) at the window's edges, so a result carries CPU ms per request as well as latency.
+With `rate` it paces them instead: C clients together offer `rate` requests/s (client i sends at
+its own staggered times, i/rate + k*C/rate; one that falls behind sends at once). Below the
+target's capacity that measures the latency of a request at that concurrency, not queueing.
 """
 
 from __future__ import annotations
@@ -144,8 +147,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def closed_loop(target: str, send: Request, concurrency: int, seconds: float, stream: bool,
-                      pids: dict[str, int]) -> RunResult:
-    """C clients back to back for WARMUP_S + `seconds`; only requests inside the measured window count."""
+                      pids: dict[str, int], rate: float | None = None) -> RunResult:
+    """C clients back to back (or paced to `rate` req/s in all) for WARMUP_S + `seconds`; only
+    requests inside the measured window count."""
     connector = aiohttp.TCPConnector(limit=max(concurrency, 1), force_close=False)
     samples: list[Sample] = []
     errors: list[str] = []
@@ -153,8 +157,14 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
     window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
     cpu: dict[str, list[float]] = {}
 
-    async def client(session: aiohttp.ClientSession) -> None:
-        while (start := time.perf_counter()) < window_end:
+    async def client(session: aiohttp.ClientSession, index: int) -> None:
+        next_send = loop_start + (index / rate if rate else 0.0)
+        while True:
+            if rate:
+                await asyncio.sleep(max(0.0, next_send - time.perf_counter()))
+                next_send += concurrency / rate
+            if (start := time.perf_counter()) >= window_end:
+                break
             try:
                 first = await send(session)
             except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
@@ -172,7 +182,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
 
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
                                      auto_decompress=False) as session:
-        await asyncio.gather(cpu_meter(), *(client(session) for _ in range(concurrency)))
+        await asyncio.gather(cpu_meter(), *(client(session, i) for i in range(concurrency)))
 
     measured = [s for s in samples if s.start >= window_start and s.end <= window_end]
     latencies = [s.end - s.start for s in measured]
