@@ -9,7 +9,8 @@ every replica through Redis.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -139,13 +140,25 @@ async def rotate_key(request: web.Request) -> web.Response:
     return web.json_response(await _in_transaction(request, work, invalidates=True), status=201)
 
 
+def _admin_only(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """The admin key is checked before anything else: a tenant key gets a 401, never a 400 or a
+    404 that tells it about the body or the ids it sent."""
+
+    @functools.wraps(handler)
+    async def checked(request: web.Request) -> web.StreamResponse:
+        check_admin(request, request.app[ADMIN_KEY])
+        return await handler(request)
+
+    return checked
+
+
 def add_routes(router: web.UrlDispatcher) -> None:
-    router.add_get("/admin/v1/tenants", list_tenants)
-    router.add_post("/admin/v1/tenants", create_tenant)
-    router.add_get("/admin/v1/tenants/{name}", get_tenant)
-    router.add_patch("/admin/v1/tenants/{name}", update_tenant)
-    router.add_get("/admin/v1/keys", list_keys)
-    router.add_post("/admin/v1/keys", create_key)
-    router.add_post("/admin/v1/keys/{key_id}/revoke", revoke_key)
-    router.add_delete("/admin/v1/keys/{key_id}", revoke_key)
-    router.add_post("/admin/v1/keys/{key_id}/rotate", rotate_key)
+    router.add_get("/admin/v1/tenants", _admin_only(list_tenants))
+    router.add_post("/admin/v1/tenants", _admin_only(create_tenant))
+    router.add_get("/admin/v1/tenants/{name}", _admin_only(get_tenant))
+    router.add_patch("/admin/v1/tenants/{name}", _admin_only(update_tenant))
+    router.add_get("/admin/v1/keys", _admin_only(list_keys))
+    router.add_post("/admin/v1/keys", _admin_only(create_key))
+    router.add_post("/admin/v1/keys/{key_id}/revoke", _admin_only(revoke_key))
+    router.add_delete("/admin/v1/keys/{key_id}", _admin_only(revoke_key))
+    router.add_post("/admin/v1/keys/{key_id}/rotate", _admin_only(rotate_key))
