@@ -17,10 +17,11 @@ from aiohttp import web
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
 from accounting.usage_writer import UsageWriter
-from gateway import admin_api, batches_api, completions, files_api, usage_api
+from gateway import admin_api, batches_api, completions, dashboard, files_api, usage_api
 from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
 from gateway.batch_dispatch import setup_batches
 from gateway.errors import error_middleware
+from gateway.metrics import setup_metrics
 from gateway.openapi import build_openapi
 from gateway.quota_local import LocalQuotaStore
 from gateway.quota_redis import FailoverQuotaStore, RedisQuotaStore
@@ -28,6 +29,7 @@ from gateway.quotas import QuotaStore
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
+from gateway.tracing import TRACING, GatewayTracing, gateway_tracing, setup_tracing, tracing_middleware
 from gateway.worker_pool import WorkerPool
 
 
@@ -112,7 +114,8 @@ def setup_workers(app: web.Application) -> None:
     async def workers(app: web.Application) -> AsyncIterator[None]:
         # One pooled session for all upstream traffic; no connection cap (the workers queue).
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        app[POOL] = pool = WorkerPool(settings.workers, session, health_interval_s=settings.health_interval_s)
+        app[POOL] = pool = WorkerPool(settings.workers, session, health_interval_s=settings.health_interval_s,
+                                      tracer=app[TRACING].tracer)
         await pool.start()
         yield
         await pool.stop()
@@ -145,12 +148,22 @@ def setup_routes(app: web.Application) -> None:
     usage_api.add_routes(router)
     files_api.add_routes(router)
     batches_api.add_routes(router)
+    dashboard.add_routes(router)
 
 
-def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True) -> web.Application:
+def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True,
+               tracing: GatewayTracing | None = None) -> web.Application:
+    """`tracing`: spans go there (tests pass one around an in-memory exporter); default: from settings."""
     settings = settings or GatewaySettings()
-    app = web.Application(middlewares=[error_middleware], client_max_size=int(settings.max_body_mb * 2**20))
+    owned = tracing is None
+    tracing = tracing if tracing is not None else gateway_tracing(settings)
+    # The tracing middleware only when tracing is on (so off costs nothing per request); outside
+    # the error middleware, so it sees the final status of every answer.
+    middlewares = [tracing_middleware, error_middleware] if tracing.tracer is not None else [error_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=int(settings.max_body_mb * 2**20))
     app[SETTINGS] = settings
+    setup_tracing(app, tracing, owned=owned)
+    setup_metrics(app)
     setup_database(app, migrate)
     setup_auth(app)
     setup_quotas(app)
@@ -173,4 +186,5 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 def run_gateway(settings: GatewaySettings) -> None:
     app = create_app(settings)
     web.run_app(app, host=settings.host, port=settings.port, print=None, loop=new_event_loop(),
+                keepalive_timeout=settings.read_timeout_s,
                 access_log=aiohttp.web.access_logger if settings.access_log else None)

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from accounting.keys import hash_api_key
@@ -93,7 +94,13 @@ class KeyCache:
         if cached is not None and cached[1] > now:
             record = cached[0]
         else:
-            record = await self._lookup_once(key_hash)
+            try:
+                record = await self._lookup_once(key_hash)
+            except OperationalError as exc:  # the database is unreachable
+                if cached is None or cached[0] is None:
+                    raise ApiError(503, "the key store is unreachable; retry shortly", code="auth_unavailable",
+                                   headers={"Retry-After": "1"}) from exc
+                record = cached[0]  # a key known before the outage keeps working (stale, not refreshed)
         if record is None or (record.expires_at is not None and record.expires_at <= datetime.now(UTC)):
             raise ApiError(401, "invalid, revoked or expired API key", code="invalid_api_key")
         return record

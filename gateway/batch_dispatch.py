@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from gateway.telemetry import PROPAGATOR
+
 log = logging.getLogger("tollway.gateway")
 RUN_TASK = "tollway.batches.run"
 QUEUE = "tollway.batches"
@@ -44,7 +46,12 @@ class CeleryDispatcher:
         return self._app
 
     def dispatch(self, batch_id: str) -> None:
-        self._celery().send_task(RUN_TASK, args=[batch_id], queue=QUEUE, retry=True,
+        # The creating request's trace (current in this thread: to_thread copies the context), if
+        # traced: the run task's spans link to it (workers/jobs/tasks.py).
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier)
+        kwargs = {"link": carrier["traceparent"]} if "traceparent" in carrier else None
+        self._celery().send_task(RUN_TASK, args=[batch_id], kwargs=kwargs, queue=QUEUE, retry=True,
                                  retry_policy=SEND_RETRY_POLICY)
 
 

@@ -33,6 +33,7 @@ class BatchCaller:
     batch_id: str
     tenant_id: int
     key_id: int | None
+    tenant_name: str = ""
 
 
 async def batch_caller(request: web.Request) -> BatchCaller | None:
@@ -54,6 +55,6 @@ async def batch_caller(request: web.Request) -> BatchCaller | None:
                            code="batch_not_running")
         if batch.endpoint != request.path:
             raise ApiError(400, f"batch {batch_id} runs {batch.endpoint}, not {request.path}", code="wrong_endpoint")
-        return BatchCaller(batch.id, batch.tenant_id, batch.key_id)
+        return BatchCaller(batch.id, batch.tenant_id, batch.key_id, tenant.name)
 
     return await in_transaction(request, lookup)

@@ -21,13 +21,16 @@ from gateway.auth import bearer_token
 from gateway.batch_lines import batch_caller
 from gateway.errors import ApiError, invalid
 from gateway.metering import RequestMeter
+from gateway.metrics import METRICS
 from gateway.openai_params import GenerationRequest, parse_request
 from gateway.proxy import Exchange
 from gateway.quotas import Decision, Limits, QuotaUnavailable
 from gateway.request_body import read_json
+from gateway.request_telemetry import RequestTelemetry
 from gateway.responses import ResponseBuilder
 from gateway.state import AUTH, POOL, QUOTAS, SESSIONS
 from gateway.tokenizer import ChatTemplateError
+from gateway.tracing import NO_SPAN, TRACING
 from gateway.worker_pool import ModelEntry
 
 QUOTA_HEADERS_KEY = web.RequestKey("quota_headers", dict)
@@ -93,36 +96,63 @@ def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
 async def admit(request: web.Request, record: AuthRecord, request_id: str, reserve: int) -> Decision:
     """Charge the tenant's interactive quotas; a 429 (or 503) when they refuse."""
     limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
-    try:
-        decision = await request.app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
-    except QuotaUnavailable as exc:
-        raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
-                       headers={"Retry-After": "1"}) from exc
+    with request.app[TRACING].span("gateway.quota.admit", {"tollway.quota.reserved_tokens": reserve}) as span:
+        try:
+            decision = await request.app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
+        except QuotaUnavailable as exc:
+            request.app[METRICS].rejections.labels(record.tenant_name, "unavailable").inc()
+            raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
+                           headers={"Retry-After": "1"}) from exc
+        if span is not None:
+            span.set_attribute("tollway.quota.admitted", decision.admitted)
+            if decision.reason:
+                span.set_attribute("tollway.quota.reason", decision.reason)
     request[QUOTA_HEADERS_KEY] = decision.headers()
     if not decision.admitted:
+        request.app[METRICS].rejections.labels(record.tenant_name, decision.reason or "rate").inc()
         raise rejection(decision.reason, decision.headers())
     return decision
 
 
 async def handle(request: web.Request, kind: Literal["chat", "completion"]) -> web.StreamResponse:
+    telemetry = RequestTelemetry.start(request.app)
+    try:
+        return await _handle(request, kind, telemetry)
+    except BaseException as exc:
+        telemetry.failed(exc)
+        raise
+    finally:
+        telemetry.finish()
+
+
+async def _handle(request: web.Request, kind: Literal["chat", "completion"],
+                  telemetry: RequestTelemetry) -> web.StreamResponse:
     app = request.app
-    batch = await batch_caller(request)  # a batch line from a runner: billed to the batch's tenant
-    record: AuthRecord | None = None
-    if batch is not None:
-        tenant_id, key_id = batch.tenant_id, batch.key_id
-    else:
-        record = await app[AUTH].authenticate(bearer_token(request))
-        tenant_id, key_id = record.tenant_id, record.key_id
+    tracing = app[TRACING]
+    with tracing.span("gateway.auth"):
+        batch = await batch_caller(request)  # a batch line from a runner: billed to the batch's tenant
+        record: AuthRecord | None = None
+        if batch is not None:
+            tenant_id, key_id, tenant_name = batch.tenant_id, batch.key_id, batch.tenant_name
+        else:
+            record = await app[AUTH].authenticate(bearer_token(request))
+            tenant_id, key_id, tenant_name = record.tenant_id, record.key_id, record.tenant_name
+    telemetry.caller(tenant_name, tenant_id, batch.batch_id if batch else None)
     raw = await read_json(request)
     params = parse_request(kind, raw)
     if batch and params.stream:
         raise invalid("batch requests cannot be streamed: remove 'stream'", "stream")
     entry = model_entry(app, params.model)
-    prompt = prompt_token_ids(entry, params)
-    max_tokens = completion_budget(entry, params, len(prompt))
+    with tracing.span("gateway.tokenize") as span:
+        prompt = prompt_token_ids(entry, params)
+        max_tokens = completion_budget(entry, params, len(prompt))
+        if span is not None:
+            span.set_attribute("tollway.request.prompt_tokens", len(prompt))
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    telemetry.request(kind, params, entry.name, request_id, len(prompt), max_tokens, raw)
 
-    claim = await idempotency.claim_or_replay(request, app[SESSIONS], tenant_id, raw, request_id)
+    with tracing.span("gateway.idempotency") if idempotency.HEADER in request.headers else NO_SPAN:
+        claim = await idempotency.claim_or_replay(request, app[SESSIONS], tenant_id, raw, request_id)
     if isinstance(claim, idempotency.Replay):
         return claim.response()
     decision = None
@@ -137,17 +167,22 @@ async def handle(request: web.Request, kind: Literal["chat", "completion"]) -> w
     namespace = f"tenant-{tenant_id}"  # set here, from the key or batch: clients never choose it
     meter = RequestMeter(request_id, tenant_id, key_id, entry.name, len(prompt),
                          batch_id=batch.batch_id if batch else None)
+    telemetry.meter = meter
     exchange = Exchange(request, params, entry.name, namespace, prompt,
                         worker_body(request_id, namespace, prompt, params, max_tokens,
                                     "batch" if batch else "interactive"),
                         ResponseBuilder(kind, request_id, entry.name, int(time.time()), entry.tokenizer,
                                         params.logprobs is not None),
-                        meter, claim if isinstance(claim, idempotency.Claim) else None)
+                        meter, claim if isinstance(claim, idempotency.Claim) else None, telemetry.tenant)
+    in_flight = app[METRICS].in_flight.labels(entry.name)
+    in_flight.inc()
     try:
         return await (exchange.respond_stream() if params.stream else exchange.respond_json())
     finally:
+        in_flight.dec()
         if decision is not None:
-            await app[QUOTAS].settle(decision.ticket, meter.total_tokens())
+            with tracing.span("gateway.quota.settle"):
+                await app[QUOTAS].settle(decision.ticket, meter.total_tokens())
         if claim is not None:  # a no-op when the response was stored with the usage row
             await idempotency.release(app[SESSIONS], claim)
 

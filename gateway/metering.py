@@ -30,31 +30,50 @@ class RequestMeter:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     _t0: float = field(default_factory=time.perf_counter)
     _first_token_s: float | None = None
+    _last_token_s: float | None = None
     received_tokens: int = 0
     usage: dict[str, int] | None = None  # the worker's, once its last line arrived
     finish_reason: str | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice index
     started: bool = False  # a worker began answering (its prompt was processed)
+    status: str | None = None  # the usage row's status, once billed
 
     def observe(self, line: dict[str, Any]) -> None:
         """Account one worker line (called for every line, in order)."""
         self.started = True
         if line["token_ids"]:
+            self._last_token_s = time.perf_counter()
             if self._first_token_s is None:
-                self._first_token_s = time.perf_counter()
+                self._first_token_s = self._last_token_s
             self.received_tokens += len(line["token_ids"])
         if line["finish_reason"] is not None:
-            self.finish_reason = line["finish_reason"]
+            self.finish_reason = self.finish_reasons[line.get("index", 0)] = line["finish_reason"]
         if "usage" in line:
             self.usage = line["usage"]
 
     def restart(self) -> None:
         """A retry on another worker: what the failed attempt streamed is not billed."""
         self.received_tokens, self.usage, self.finish_reason, self._first_token_s = 0, None, None, None
+        self._last_token_s = None
+        self.finish_reasons.clear()
         self.started = False
 
     def _usage(self) -> dict[str, int]:
         return self.usage or {"prompt_tokens": self.prompt_tokens, "cached_tokens": 0,
                               "completion_tokens": self.received_tokens}
+
+    def usage_so_far(self) -> dict[str, int]:
+        """What is (or would be) billed: the worker's usage, else the prompt and the tokens received."""
+        return self._usage()
+
+    def ttft_s(self) -> float | None:
+        return self._first_token_s - self._t0 if self._first_token_s is not None else None
+
+    def inter_token_s(self) -> float | None:
+        """Mean time between the tokens received after the first (None with fewer than two)."""
+        if self._first_token_s is None or self._last_token_s is None or self.received_tokens < 2:
+            return None
+        return (self._last_token_s - self._first_token_s) / (self.received_tokens - 1)
 
     def total_tokens(self) -> int:
         """Prompt + completion tokens used so far (what the quotas settle to); 0 if no worker answered."""
@@ -81,3 +100,4 @@ class RequestMeter:
         if claim is not None and response is not None:
             stored = StoredResponse(claim.tenant_id, claim.key, *response)
         await writer.write(self.record(status), stored)
+        self.status = status

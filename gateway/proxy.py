@@ -26,9 +26,11 @@ from aiohttp import web
 from gateway.errors import ApiError
 from gateway.idempotency import Claim
 from gateway.metering import RequestMeter
+from gateway.metrics import METRICS
 from gateway.openai_params import GenerationRequest
 from gateway.responses import ResponseBuilder
 from gateway.state import BACKGROUND, POOL, ROUTER, SETTINGS, WRITER
+from gateway.tracing import TRACING
 from gateway.worker_pool import UpstreamBroken, UpstreamRejected, UpstreamUnavailable
 
 DONE = b"data: [DONE]\n\n"
@@ -93,6 +95,7 @@ class Exchange:
     builder: ResponseBuilder
     meter: RequestMeter
     claim: Claim | None
+    tenant: str = "-"  # the metrics' tenant label
 
     async def open(self) -> tuple[str, dict[str, Any], DetachedStream]:
         """(worker url, first line, the rest): tries other workers until one starts streaming."""
@@ -103,7 +106,10 @@ class Exchange:
             loads = pool.loads(self.model, exclude=tried)
             if not loads:
                 break
-            url = router.choose(self.namespace, self.prompt, loads)
+            with app[TRACING].span("gateway.route", {"tollway.route.candidates": len(loads)}) as span:
+                url = router.choose(self.namespace, self.prompt, loads)
+                if span is not None:
+                    span.set_attribute("tollway.worker.url", url)
             lines = DetachedStream(pool.stream(url, self.body))
             try:
                 return url, await anext(lines), lines
@@ -122,7 +128,11 @@ class Exchange:
                        code="no_worker", headers={"Retry-After": "1"})
 
     async def _bill(self, status: str, response: tuple[int, str, bytes] | None = None) -> None:
-        await self.meter.finish(self.request.app[WRITER], status, self.claim if response else None, response)
+        app = self.request.app
+        with app[TRACING].span("gateway.metering.commit", {"tollway.usage.status": status}):
+            await self.meter.finish(app[WRITER], status, self.claim if response else None, response)
+        meter = self.meter
+        app[METRICS].billed(self.tenant, self.model, meter.usage_so_far(), meter.ttft_s(), meter.inter_token_s())
 
     # -- non-streamed -------------------------------------------------------------------------------
     async def respond_json(self) -> web.Response:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from gateway.telemetry import TracingSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(TracingSettings):
+    """Also the tracing settings (telemetry/settings.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
+
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
     home: Path = Path(".tollway")
@@ -30,6 +34,10 @@ class GatewaySettings(BaseSettings):
     """SQLAlchemy URL; unset = SQLite at $TOLLWAY_HOME/tollway.db."""
     max_body_mb: float = 4.0
     """Largest accepted request body (larger → 413); file uploads have their own limit."""
+    read_timeout_s: float = 30.0
+    """Slow-loris guard: a connection that has not sent a request's headers within this (aiohttp's
+    keep-alive timer, also the idle keep-alive limit) is closed, and a JSON body not fully received
+    within this after its headers gets a 408 and a closed connection."""
     max_file_bytes: int = 100 * 2**20
     """Largest file accepted by POST /v1/files (larger → 413)."""
     max_batch_lines: int = 50_000

@@ -18,7 +18,9 @@ from typing import Any
 
 import aiohttp
 import orjson
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
+from gateway.telemetry import PROPAGATOR
 from gateway.tokenizer import TextTokenizer
 
 log = logging.getLogger("tollway.gateway")
@@ -48,6 +50,7 @@ class WorkerState:
     in_flight: int = 0
     model: str | None = None
     last_error: str | None = None
+    info: dict[str, Any] | None = None  # the worker's last /internal/info (KV blocks, cache, queues)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class ModelEntry:
 
 class WorkerPool:
     def __init__(self, urls: list[str], session: aiohttp.ClientSession, *, health_interval_s: float = 1.0,
-                 connect_timeout_s: float = 2.0) -> None:
+                 connect_timeout_s: float = 2.0, tracer: Tracer | None = None) -> None:
         self.workers = {url.rstrip("/"): WorkerState(url.rstrip("/")) for url in urls}
         self.models: dict[str, ModelEntry] = {}
         self._session = session
@@ -67,6 +70,7 @@ class WorkerPool:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
         self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
         self._task: asyncio.Task[None] | None = None
+        self._tracer = tracer  # None: no span, no traceparent
 
     async def start(self) -> None:
         await self.poll_all()
@@ -104,7 +108,7 @@ class WorkerPool:
             return
         if not worker.healthy:
             log.info("worker %s is up (model %s)", worker.url, model)
-        worker.healthy, worker.model, worker.last_error = True, model, None
+        worker.healthy, worker.model, worker.last_error, worker.info = True, model, None, info
 
     def mark_down(self, worker: WorkerState, reason: str) -> None:
         if worker.healthy:
@@ -133,42 +137,72 @@ class WorkerPool:
         connection, which aborts the request on the worker.
         """
         worker = self.workers[url]
+        headers = {"Content-Type": "application/json"}
+        span = None
+        if self._tracer is not None:  # the worker joins this trace through `traceparent`
+            span = self._tracer.start_span("gateway.worker.generate", kind=SpanKind.CLIENT, attributes={
+                "http.request.method": "POST", "server.address": url, "tollway.worker.url": url})
+            PROPAGATOR.inject(headers, context=set_span_in_context(span))
         worker.in_flight += 1
-        started = False
         try:
-            try:
-                response = await self._session.post(f"{url}/internal/generate", data=orjson.dumps(body),
-                                                    headers={"Content-Type": "application/json"},
-                                                    timeout=self._timeout)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                self.mark_down(worker, f"request failed: {exc!r}")
-                raise UpstreamUnavailable(str(exc)) from exc
-            async with response:
-                if 400 <= response.status < 500:
-                    raise UpstreamRejected(response.status, await _error_message(response))
-                if response.status != 200:
-                    raise UpstreamUnavailable(f"worker answered {response.status}")
-                try:
-                    # Lines that arrive together are parsed together: one wakeup per network read.
-                    pending = b""
-                    async for chunk in response.content.iter_any():
-                        *lines, pending = (pending + chunk).split(b"\n")
-                        for line in lines:
-                            if not line.strip():
-                                continue
-                            message = orjson.loads(line)
-                            started = True
-                            yield message
-                            if "usage" in message:
-                                return
-                except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-                    self.mark_down(worker, f"stream broke: {exc!r}")
-                    raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
-                error = UpstreamBroken if started else UpstreamUnavailable
-                self.mark_down(worker, "stream ended without usage")
-                raise error("the worker closed the stream before the request finished")
+            # aclosing: leaving early closes the worker's response now (which aborts the request there)
+            async with contextlib.aclosing(self._lines(worker, body, headers)) as lines:
+                async for line in lines:
+                    yield line
+        except (UpstreamUnavailable, UpstreamBroken, UpstreamRejected) as exc:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
         finally:
             worker.in_flight -= 1
+            if span is not None:
+                span.end()
+
+    async def _lines(self, worker: WorkerState, body: dict[str, Any],
+                     headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        url = worker.url
+        started = False
+        try:
+            response = await self._session.post(f"{url}/internal/generate", data=orjson.dumps(body),
+                                                headers=headers, timeout=self._timeout)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.mark_down(worker, f"request failed: {exc!r}")
+            raise UpstreamUnavailable(str(exc)) from exc
+        async with response:
+            if 400 <= response.status < 500:
+                raise UpstreamRejected(response.status, await _error_message(response))
+            if response.status != 200:
+                raise UpstreamUnavailable(f"worker answered {response.status}")
+            try:
+                # Lines that arrive together are parsed together: one wakeup per network read.
+                pending = b""
+                async for chunk in response.content.iter_any():
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        message = orjson.loads(line)
+                        started = True
+                        yield message
+                        if "usage" in message:
+                            return
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+                self.mark_down(worker, f"stream broke: {exc!r}")
+                raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
+            error = UpstreamBroken if started else UpstreamUnavailable
+            self.mark_down(worker, "stream ended without usage")
+            raise error("the worker closed the stream before the request finished")
+
+    async def recent_spans(self, url: str, trace_ids: list[str]) -> list[dict[str, Any]]:
+        """The worker's finished spans of these traces (its ring buffer); [] when it has none or fails."""
+        try:
+            async with self._session.get(f"{url}/internal/traces", params=[("trace_id", t) for t in trace_ids],
+                                         timeout=self._poll_timeout) as response:
+                if response.status != 200:
+                    return []
+                return list((await response.json(loads=orjson.loads))["spans"])
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError):
+            return []
 
 
 async def _error_message(response: aiohttp.ClientResponse) -> str:

@@ -25,9 +25,12 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from workers import protocol  # the real worker's request parsing: no torch, no model
 from workers.engine.params import SamplingParams
+from workers.metrics import WorkerMetrics, make_metrics
 
 SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -67,12 +70,13 @@ class FakeWorker:
             "block_size": self.block_size,
             "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
             "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},
-            "finished": dict(self.finished), "running": len(self.running), "waiting": 0,
+            "finished": dict(self.finished), "running": len(self.running), "waiting": 0, "preemptions": 0,
             "fake": {"max_running": self.max_running, "requests": len(self.requests)},  # the double's own
         }
 
 
 FAKE_WORKER_KEY = web.AppKey("fake_worker", FakeWorker)
+METRICS_KEY = web.AppKey("fake_metrics", WorkerMetrics)  # the real worker's metric names and kinds
 
 
 def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams]:
@@ -153,6 +157,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await response.write(orjson.dumps(line) + b"\n")
         else:
             _account(worker, namespace, lines[-1]["usage"], params.n)
+            metrics, usage = request.app[METRICS_KEY], lines[-1]["usage"]
+            metrics.prompt_tokens.inc(usage["prompt_tokens"])
+            metrics.cached_tokens.inc(usage["cached_tokens"])
+            metrics.completion_tokens.inc(usage["completion_tokens"])
+            metrics.finished.labels(reason="length").inc(params.n)
         await response.write_eof()
     except ConnectionResetError:  # the caller hung up: nothing more to send
         pass
@@ -204,16 +213,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    worker = request.app[FAKE_WORKER_KEY]
-    text = "".join(
-        f"# TYPE {name} {kind}\n{name}{suffix} {float(value)}\n" for name, kind, suffix, value in (
-            ("tollway_worker_running_requests", "gauge", "", len(worker.running)),
-            ("tollway_worker_waiting_requests", "gauge", "", 0),
-            ("tollway_worker_prompt_tokens", "counter", "_total", worker.totals["prompt"]),
-            ("tollway_worker_cached_prompt_tokens", "counter", "_total", worker.totals["cached"]),
-            ("tollway_worker_completion_tokens", "counter", "_total", worker.totals["completion"]),
-        ))
-    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+    return web.Response(body=generate_latest(request.app[METRICS_KEY].registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> web.Application:
@@ -224,7 +225,8 @@ def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> 
     if worker is not None and options:
         raise TypeError("pass either a FakeWorker or its options, not both")
     app = web.Application(client_max_size=16 * 2**20)
-    app[FAKE_WORKER_KEY] = worker if worker is not None else FakeWorker(**options)
+    app[FAKE_WORKER_KEY] = state = worker if worker is not None else FakeWorker(**options)
+    app[METRICS_KEY] = make_metrics(state.info)
     app.router.add_post("/internal/generate", generate)
     app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)

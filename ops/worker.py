@@ -10,16 +10,22 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
 from workers.server import create_worker_app
 from workers.settings import WorkerSettings
+from workers.tracing import worker_tracing
 
 
 def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console) -> None:
     loaded = load_named_model(settings, model, dtype, console)
-    engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model))
+    tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
+    engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model,
+                                tracer=tracing.tracer if tracing is not None else None))
     info = engine.info()
     console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
         # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
-        web.run_app(create_worker_app(engine), host=host, port=port, print=None, handler_cancellation=True)
+        web.run_app(create_worker_app(engine, tracing), host=host, port=port, print=None,
+                    handler_cancellation=True)
     finally:
         engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()

@@ -44,6 +44,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    # The reliability tier (minutes of faults and soak) runs only when asked for by marker:
+    # `ops/test --reliability` runs `-m reliability`; every other run leaves it out.
+    if "reliability" not in (config.option.markexpr or ""):
+        kept = [item for item in items if "reliability" not in item.keywords]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if "reliability" in item.keywords])
+            items[:] = kept
 
 
 @pytest.fixture(scope="session")

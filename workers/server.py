@@ -10,28 +10,72 @@ POST /internal/requests/{id}/cancel  stop a request; its stream ends with an "ab
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
 GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes without the model:
                          {model, tokenizer_json, tokenizer_config, chat_template}
+GET  /internal/traces?trace_id=…  this worker's finished spans of those traces (when tracing is on)
 GET  /healthz            liveness
-GET  /metrics            Prometheus text format
+GET  /metrics            Prometheus text format (workers/metrics.py)
+With tracing on, a generate call's `traceparent` header makes its `worker.generate` span (and the
+engine's phase spans under it) part of the caller's trace.
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from opentelemetry.trace import Span, SpanKind, set_span_in_context
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
+from workers.metrics import WorkerMetrics, make_metrics
 from workers.models.tokenizer import tokenizer_payload
-from workers.protocol import error, parse_generate
+from workers.protocol import GenerateRequest, error, parse_generate
+from workers.telemetry import PROPAGATOR
+from workers.tracing import WorkerTracing
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
-METRICS_KEY = web.AppKey("metrics", dict)
+METRICS_KEY = web.AppKey("metrics", WorkerMetrics)
+TRACING_KEY = web.AppKey("tracing", WorkerTracing)  # absent when tracing is off
+MAX_TRACE_IDS = 64
+
+
+def _start_span(request: web.Request, parsed: GenerateRequest) -> tuple[Span | None, TraceParent | None]:
+    tracing = request.app.get(TRACING_KEY)
+    if tracing is None:
+        return None, None
+    span = tracing.tracer.start_span("worker.generate", context=PROPAGATOR.extract(request.headers),
+                                     kind=SpanKind.SERVER, attributes={
+                                         "gen_ai.operation.name": "generate",
+                                         "gen_ai.request.model": request.app[ENGINE_KEY].engine.name,
+                                         "gen_ai.request.max_tokens": parsed.params.max_tokens,
+                                         "tollway.request.id": parsed.request_id,
+                                         "tollway.priority": parsed.priority,
+                                         "tollway.request.prompt_tokens": len(parsed.prompt)})
+    return span, TraceParent(set_span_in_context(span), time.time_ns())
+
+
+@dataclass
+class _Outcome:
+    """What a generate stream reported, for its span."""
+
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice index
+    usage: dict[str, int] | None = None
+
+
+def _end_span(span: Span, outcome: _Outcome) -> None:
+    if outcome.usage is not None:
+        span.set_attributes({"gen_ai.usage.input_tokens": outcome.usage["prompt_tokens"],
+                             "gen_ai.usage.output_tokens": outcome.usage["completion_tokens"],
+                             "tollway.cache.cached_tokens": outcome.usage["cached_tokens"]})
+    reasons = outcome.finish_reasons
+    span.set_attribute("gen_ai.response.finish_reasons", [reasons[i] for i in sorted(reasons)])
+    span.end()
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -41,8 +85,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return error(400, "the body is not valid JSON")
     try:
         parsed = parse_generate(body)
+    except ValueError as exc:
+        return error(400, str(exc))
+    span, trace = _start_span(request, parsed)
+    outcome = _Outcome()
+    try:
+        return await _stream(request, parsed, trace, outcome)
+    finally:
+        if span is not None:
+            _end_span(span, outcome)
+
+
+async def _stream(request: web.Request, parsed: GenerateRequest, trace: TraceParent | None,
+                  outcome: _Outcome) -> web.StreamResponse:
+    try:
         stream = request.app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params,
-                                                  parsed.namespace, Priority[parsed.priority.upper()])
+                                                  parsed.namespace, Priority[parsed.priority.upper()], trace)
         first = await anext(stream)  # validation errors surface here, before any byte is sent
     except ValueError as exc:
         return error(400, str(exc))
@@ -59,11 +117,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
             if delta.usage is not None:
                 line["usage"] = delta.usage
-                metrics["prompt_tokens"].inc(delta.usage["prompt_tokens"])
-                metrics["cached_tokens"].inc(delta.usage["cached_tokens"])
-                metrics["completion_tokens"].inc(delta.usage["completion_tokens"])
+                outcome.usage = delta.usage
+                metrics.prompt_tokens.inc(delta.usage["prompt_tokens"])
+                metrics.cached_tokens.inc(delta.usage["cached_tokens"])
+                metrics.completion_tokens.inc(delta.usage["completion_tokens"])
             if delta.finish_reason is not None:
-                metrics["finished"].labels(reason=delta.finish_reason).inc()
+                outcome.finish_reasons[delta.index] = delta.finish_reason
+                metrics.finished.labels(reason=delta.finish_reason).inc()
             await response.write(orjson.dumps(line) + b"\n")
             if delta.usage is not None:  # the request's last line: every choice has finished
                 break
@@ -98,40 +158,32 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    state = request.app[ENGINE_KEY].info()
-    gauges = request.app[METRICS_KEY]
-    gauges["running"].set(state["running"])
-    gauges["waiting"].set(state["waiting"])
-    for kind, value in state["blocks"].items():
-        gauges["blocks"].labels(state=kind).set(value)
-    registry: CollectorRegistry = request.app[METRICS_KEY]["registry"]
-    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=generate_latest(request.app[METRICS_KEY].registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_metrics() -> dict[str, Any]:
-    registry = CollectorRegistry()
-    return {
-        "registry": registry,
-        "running": Gauge("tollway_worker_running_requests", "Requests running in the engine", registry=registry),
-        "waiting": Gauge("tollway_worker_waiting_requests", "Requests waiting for admission", registry=registry),
-        "blocks": Gauge("tollway_worker_kv_blocks", "KV blocks by state", ["state"], registry=registry),
-        "prompt_tokens": Counter("tollway_worker_prompt_tokens", "Prompt tokens served", registry=registry),
-        "cached_tokens": Counter("tollway_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
-                                 registry=registry),
-        "completion_tokens": Counter("tollway_worker_completion_tokens", "Tokens generated", registry=registry),
-        "finished": Counter("tollway_worker_choices_finished", "Finished choices by reason", ["reason"],
-                            registry=registry),
-    }
+async def traces(request: web.Request) -> web.Response:
+    """This worker's finished spans of the given traces (`trace_id` repeated, at most 64)."""
+    trace_ids = request.query.getall("trace_id", [])
+    if len(trace_ids) > MAX_TRACE_IDS:
+        return error(400, f"at most {MAX_TRACE_IDS} trace_id parameters")
+    tracing = request.app.get(TRACING_KEY)
+    spans = tracing.recent.for_traces(trace_ids) if tracing is not None and tracing.recent is not None else []
+    return web.json_response({"spans": spans}, dumps=lambda o: orjson.dumps(o).decode())
 
 
-def create_worker_app(engine: AsyncEngine) -> web.Application:
+def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None) -> web.Application:
+    """`tracing`: the worker's tracer (the engine was built with the same one), or None (off)."""
     app = web.Application(client_max_size=16 * 2**20)
     app[ENGINE_KEY] = engine
-    app[METRICS_KEY] = make_metrics()
+    app[METRICS_KEY] = make_metrics(engine.info)
+    if tracing is not None:
+        app[TRACING_KEY] = tracing
     app.router.add_post("/internal/generate", generate)
     app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)
     app.router.add_get("/internal/tokenizer", tokenizer)
+    app.router.add_get("/internal/traces", traces)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

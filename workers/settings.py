@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from workers.telemetry import TracingSettings
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(TracingSettings):
+    """Also the tracing settings (telemetry/settings.py)."""
+
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
     home: Path = Path(".tollway")

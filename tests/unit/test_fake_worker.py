@@ -114,6 +114,12 @@ async def test_bad_input_answers_exactly_as_the_real_worker(real, fake, payload)
     assert await fake_response.json() == await real_response.json()
 
 
+def metric_names(text: str) -> set[tuple[str, str]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(family.name, family.type) for family in text_string_to_metric_families(text)}
+
+
 async def test_info_health_metrics_and_tokenizer_routes_match(real, fake) -> None:
     client, _ = fake
     await read_stream(await client.post("/internal/generate", json=body()))
@@ -128,6 +134,8 @@ async def test_info_health_metrics_and_tokenizer_routes_match(real, fake) -> Non
     assert await (await client.get("/healthz")).json() == await (await real.get("/healthz")).json()
     metrics = await (await client.get("/metrics")).text()
     assert "tollway_worker_completion_tokens_total 4.0" in metrics
+    real_metrics = await (await real.get("/metrics")).text()
+    assert metric_names(metrics) == metric_names(real_metrics)  # the same series, by name and type
     real_payload = await (await real.get("/internal/tokenizer")).json()
     fake_payload = await (await client.get("/internal/tokenizer")).json()
     assert set(fake_payload) == set(real_payload) and fake_payload["model"] == "tiny"

@@ -20,6 +20,7 @@ from typing import Any
 
 from workers.engine.engine import Delta, Engine
 from workers.engine.params import SamplingParams
+from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class AsyncEngine:
     # -- callers' side ----------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "default",
-        priority: Priority = Priority.INTERACTIVE,
+        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
     ) -> AsyncIterator[Delta]:
         self.engine.validate_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -55,7 +56,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_ids, params, namespace, priority)))
+        self._commands.put(("add", (request_id, prompt_ids, params, namespace, priority, trace)))
         finished = False
         try:
             while not finished:

@@ -11,12 +11,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.radix_tree import RadixPrefixTree
 from workers.engine.detokenize import OutputText
 from workers.engine.params import SamplingParams
+from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import sample
@@ -60,7 +62,8 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, name: str | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, name: str | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         self.name = name or loaded.folder.name
@@ -80,13 +83,16 @@ class Engine:
         self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
         self._requests: dict[str, _Request] = {}
         self._texts: dict[tuple[str, int], OutputText] = {}
+        # Spans of traced requests' phases; None when tracing is off (then the step loop does no tracing work).
+        self._phases = PhaseSpans(tracer) if tracer is not None else None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, namespace: str = "default",
-        priority: Priority = Priority.INTERACTIVE,
+        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
     ) -> Sequence:
-        """Queue a request; ValueError (the caller's 4xx) for an unusable one."""
+        """Queue a request; ValueError (the caller's 4xx) for an unusable one. With `trace`, its
+        phases become spans under `trace.context` (when the engine has a tracer)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_ids, params)
@@ -96,6 +102,8 @@ class Engine:
         self._requests[request_id] = _Request(seq, params.n)
         self._texts[(request_id, 0)] = OutputText(self.loaded.tokenizer, params.stop)
         self.scheduler.add(seq)
+        if trace is not None and self._phases is not None:
+            self._phases.add(seq, trace)
         return seq
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
@@ -128,7 +136,12 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        phases = self._phases
+        if phases is not None:
+            start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
         batch = self.scheduler.schedule()
+        if phases is not None and self.scheduler.preemptions != preemptions:
+            phases.preempted(start_ns)
         deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self._take_scheduler_finished()]
         if not batch.seqs:
             return deltas
@@ -136,6 +149,8 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.computed_len += n
             self.scheduler.commit_computed(seq)
+        if phases is not None:
+            phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
         if not sampling:
             return deltas
         sampling, logits = self._fork_choices(sampling, logits)
@@ -169,6 +184,8 @@ class Engine:
                 child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
                 child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
                 self.scheduler.adopt_running(child)
+                if self._phases is not None:
+                    self._phases.fork(parent, child, time.time_ns())
                 self._texts[(child.request_id, index)] = OutputText(self.loaded.tokenizer, parent.params.stop)
                 extra_seqs.append(child)
                 extra_rows.append(row)
@@ -202,6 +219,8 @@ class Engine:
             delta.text += text.flush(seq.output_ids)
         assert seq.finish_reason is not None
         delta.finish_reason = seq.finish_reason.value
+        if self._phases is not None:
+            self._phases.finish(seq, time.time_ns(), delta.finish_reason)
         self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
         request = self._requests[seq.request_id]
         request.completion_tokens += seq.output_len
@@ -262,6 +281,7 @@ class Engine:
             "finished": dict(self.finished_counts),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.preemptions,
         }
 
     def all_blocks_free_or_evictable(self) -> bool:

@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.finished_by_scheduler: list[Sequence] = []  # finished here (could never fit); the engine reports them
+        self.preemptions = 0  # since start (metrics; the engine's phase spans watch it change)
 
     # -- queue ----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -202,6 +203,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.computed_len = seq.cached_len = seq.committed_blocks = 0
         seq.num_preemptions += 1
+        self.preemptions += 1
         self.add(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -64,10 +64,12 @@ async def _post_once(session: aiohttp.ClientSession, url: str, body: dict[str, A
 
 async def send_line(session: aiohttp.ClientSession, gateway_url: str, endpoint: str, admin_key: str,
                     batch_id: str, line: int, body: dict[str, Any], *, timeout_s: float,
-                    should_stop: Callable[[], bool] = lambda: False) -> Answer:
-    """The line's final answer; what can be retried is retried (with backoff) until `should_stop()`."""
+                    should_stop: Callable[[], bool] = lambda: False,
+                    trace_headers: dict[str, str] | None = None) -> Answer:
+    """The line's final answer; what can be retried is retried (with backoff) until `should_stop()`.
+    `trace_headers` (a `traceparent`) make the gateway's request span part of the line's trace."""
     headers = {"Authorization": f"Bearer {admin_key}", BATCH_HEADER: batch_id,
-               "Idempotency-Key": f"{batch_id}:{line}", "Content-Type": "application/json"}
+               "Idempotency-Key": f"{batch_id}:{line}", "Content-Type": "application/json", **(trace_headers or {})}
     url = gateway_url.rstrip("/") + endpoint
     errors = 0
     attempt = 0

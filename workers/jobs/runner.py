@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Literal, TypeVar
 
 import aiohttp
+from opentelemetry.trace import SpanKind, Tracer
 from sqlalchemy.orm import Session, sessionmaker
 
 from accounting import batch_output, batch_runs
@@ -36,6 +37,7 @@ from accounting.batches import UNFINISHED, transition
 from accounting.file_store import FileStore, MissingObjectError
 from accounting.models import Batch, File, utcnow
 from workers.jobs.line_client import Unavailable, send_line
+from workers.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.jobs")
 T = TypeVar("T")
@@ -68,9 +70,10 @@ class BatchStep:
     """One step on one batch by one runner (`runner_id` must be unique per step)."""
 
     def __init__(self, batch_id: str, runner_id: str, sessions: sessionmaker[Session], store: FileStore,
-                 config: RunnerConfig) -> None:
+                 config: RunnerConfig, tracer: Tracer | None = None) -> None:
         self.batch_id, self.runner_id = batch_id, runner_id
         self.sessions, self.store, self.config = sessions, store, config
+        self.tracer = tracer  # each line a CLIENT span under the current (run task) span
         self.stop: str | None = None  # why no more lines start: cancelled, expired, step, unavailable, lost
 
     async def _db(self, work: Callable[[Session], T]) -> T:
@@ -132,17 +135,35 @@ class BatchStep:
                 self.stop = "step"
 
     async def _run_line(self, http: aiohttp.ClientSession, claimed: Claimed, request: BatchRequest) -> None:
+        if self.tracer is None:
+            await self._send_line(http, claimed, request, None)
+            return
+        with self.tracer.start_as_current_span("batch.line", kind=SpanKind.CLIENT, attributes={
+                "tollway.batch.id": self.batch_id, "tollway.batch.line": request.line,
+                "url.path": claimed.endpoint}) as span:
+            headers: dict[str, str] = {}
+            PROPAGATOR.inject(headers)  # the gateway continues this trace
+            status = await self._send_line(http, claimed, request, headers)
+            span.set_attribute("tollway.batch.line_recorded", status is not None)
+            if status is not None:
+                span.set_attribute("http.response.status_code", status)
+
+    async def _send_line(self, http: aiohttp.ClientSession, claimed: Claimed, request: BatchRequest,
+                         trace_headers: dict[str, str] | None) -> int | None:
+        """Sends the line and records its answer; the answer's status (None: nothing recorded)."""
         try:
             answer = await send_line(http, self.config.gateway_url, claimed.endpoint, self.config.admin_key,
                                      self.batch_id, request.line, request.body,
-                                     timeout_s=self.config.line_timeout_s, should_stop=lambda: self.stop is not None)
+                                     timeout_s=self.config.line_timeout_s, should_stop=lambda: self.stop is not None,
+                                     trace_headers=trace_headers)
         except Unavailable as exc:
             if self.stop is None:
                 log.warning("batch %s line %d: %s; pausing the batch", self.batch_id, request.line, exc)
                 self.stop = "changed" if exc.stop_batch else "unavailable"
-            return
+            return None
         result = batch_runs.LineResult.from_response(request.line, request.custom_id, answer.status, answer.body)
         await self._db(lambda s: batch_runs.record_result(s, self.batch_id, result))
+        return answer.status
 
     async def _run_lines(self, claimed: Claimed, pending: list[BatchRequest]) -> None:
         queue = iter(pending)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from workers.telemetry import TracingSettings
 
 
-class JobSettings(BaseSettings):
+class JobSettings(TracingSettings):
+    """Also the tracing settings (telemetry/settings.py): run tasks and batch lines become spans."""
+
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
     home: Path = Path(".tollway")

@@ -1,0 +1,70 @@
+"""The worker's Prometheus metrics (`GET /metrics`): one registry per worker process.
+
+Counters of what the worker served are incremented as streams end (workers/server.py); the
+engine's state (queues, KV blocks, prefix-cache hits, preemptions) is read at scrape time from its
+last snapshot (`AsyncEngine.info()`, refreshed by the engine thread), so scraping never touches
+the engine itself. Each worker is its own scrape target; sum across `instance` for a deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class EngineCollector(Collector):
+    def __init__(self, info: Callable[[], dict[str, Any]]) -> None:
+        self._info = info
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = self._info()
+        yield GaugeMetricFamily("tollway_worker_running_requests", "Sequences running in the engine",
+                                value=state["running"])
+        yield GaugeMetricFamily("tollway_worker_waiting_requests", "Sequences waiting for admission",
+                                value=state["waiting"])
+        blocks = GaugeMetricFamily("tollway_worker_kv_blocks", "KV blocks by state (total, free, used, evictable)",
+                                   labels=["state"])
+        for kind, value in state["blocks"].items():
+            blocks.add_metric([kind], value)
+        yield blocks
+        if state.get("kv_utilization") is not None:
+            yield GaugeMetricFamily("tollway_worker_kv_utilization",
+                                    "Share of the running sequences' block slots that hold tokens",
+                                    value=state["kv_utilization"])
+        cache = state.get("cache", {}).values()
+        yield CounterMetricFamily("tollway_worker_prefix_cache_hit_tokens",
+                                  "Prompt tokens found in the prefix cache at admission",
+                                  value=sum(s.get("hit_tokens", 0) for s in cache))
+        yield CounterMetricFamily("tollway_worker_prefix_cache_miss_tokens",
+                                  "Prompt tokens not found in the prefix cache at admission",
+                                  value=sum(s.get("miss_tokens", 0) for s in cache))
+        yield CounterMetricFamily("tollway_worker_preemptions", "Sequences preempted (recomputed later)",
+                                  value=state.get("preemptions", 0))
+
+
+@dataclass
+class WorkerMetrics:
+    registry: CollectorRegistry
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    completion_tokens: Counter
+    finished: Counter
+
+
+def make_metrics(info: Callable[[], dict[str, Any]]) -> WorkerMetrics:
+    """The registry of one worker; `info` returns the engine's state snapshot."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(info))
+    return WorkerMetrics(
+        registry,
+        Counter("tollway_worker_prompt_tokens", "Prompt tokens served", registry=registry),
+        Counter("tollway_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                registry=registry),
+        Counter("tollway_worker_completion_tokens", "Tokens generated", registry=registry),
+        Counter("tollway_worker_choices_finished", "Finished choices by reason", ["reason"], registry=registry),
+    )
