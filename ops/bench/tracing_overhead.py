@@ -14,7 +14,12 @@ is kept per mode. The fake worker does not trace, so this is the gateway's share
 middleware, the traceparent header); the engine's phase spans cost a few span objects per request
 and O(scheduled requests) per step only while tracing is on.
 
+`--upstream engine` puts a real engine worker (`tollway worker`, the default model, tracing on
+when its gateway's is) behind each of two gateways, off and ring: the added latency of tracing
+relative to a request that generates (8 tokens), end to end including the engine's phase spans.
+
     .venv/bin/python ops/bench/tracing_overhead.py [--seconds 3] [--rounds 3] [--concurrency 1] [--stream]
+        [--upstream fake|engine]
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import aiohttp
 from aiohttp import web
 
 from ops.bench.gateway_overhead import PathOptions, gateway_request, prepare_home, sanity_check
-from ops.bench.http_load import RunResult, Service, child_env, closed_loop, free_port, wait_healthy
+from ops.bench.http_load import REPO_ROOT, RunResult, Service, child_env, closed_loop, free_port, wait_healthy
 
 GOAL_ADDED = 0.05
 MODES = ("off", "ring", "otlp", "otlp10")
+ENGINE_MODES = ("off", "ring")  # --upstream engine: one real worker per mode
 
 
 def serve_otlp_sink(port: int) -> None:
@@ -64,40 +70,59 @@ def mode_env(mode: str, sink_port: int) -> dict[str, str]:
     return {}
 
 
+def start_workers(args: argparse.Namespace, home: Path, modes: tuple[str, ...],
+                  sink_port: int) -> dict[str, tuple[Service, str]]:
+    """One fake worker shared by every gateway, or one real engine worker per mode."""
+    if args.upstream == "fake":
+        port = free_port()
+        worker = Service("fake worker", ["-m", "ops.fake_worker", "--port", str(port)], child_env(), home / "worker.log")
+        return dict.fromkeys(modes, (worker, f"http://127.0.0.1:{port}"))
+    workers = {}
+    for mode in modes:
+        port = free_port()
+        worker = Service(f"engine worker ({mode})", ["-m", "ops.cli", "worker", "--port", str(port)],
+                         child_env(TOLLWAY_HOME=str(args.models_from), **mode_env(mode, sink_port)),
+                         home / f"worker-{mode}.log")
+        workers[mode] = (worker, f"http://127.0.0.1:{port}")
+    return workers
+
+
 async def run(args: argparse.Namespace, home: Path) -> dict[str, list[RunResult]]:
     key = prepare_home(home, PathOptions())
-    worker_port, sink_port = free_port(), free_port()
-    worker_url = f"http://127.0.0.1:{worker_port}"
+    sink_port = free_port()
+    modes = MODES if args.upstream == "fake" else ENGINE_MODES
     services: list[Service] = []
     try:
         sink = Service("OTLP sink", [str(Path(__file__).resolve()), "--sink", str(sink_port)], child_env(),
                        home / "sink.log")
         services.append(sink)
-        worker = Service("fake worker", ["-m", "ops.fake_worker", "--port", str(worker_port)], child_env(),
-                         home / "worker.log")
-        services.append(worker)
+        workers = start_workers(args, home, modes, sink_port)
+        services.extend(dict.fromkeys(worker for worker, _ in workers.values()))
         gateways: dict[str, tuple[Service, str]] = {}
         admin = "tw-admin-" + secrets.token_urlsafe(24)
-        for mode in MODES:
+        for mode in modes:
             port = free_port()
             gateway = Service(f"gateway ({mode})", ["-m", "ops.cli", "gateway", "--port", str(port)],
-                              child_env(TOLLWAY_HOME=str(home), TOLLWAY_WORKER_URLS=worker_url, TOLLWAY_ADMIN_KEY=admin,
-                                        **mode_env(mode, sink_port)), home / f"gateway-{mode}.log")
+                              child_env(TOLLWAY_HOME=str(home), TOLLWAY_WORKER_URLS=workers[mode][1],
+                                        TOLLWAY_ADMIN_KEY=admin, **mode_env(mode, sink_port)),
+                              home / f"gateway-{mode}.log")
             services.append(gateway)
             gateways[mode] = (gateway, f"http://127.0.0.1:{port}")
         async with aiohttp.ClientSession() as session:
-            await wait_healthy(session, worker, f"{worker_url}/healthz", lambda _: True)
+            for worker, worker_url in dict.fromkeys(workers.values()):
+                await wait_healthy(session, worker, f"{worker_url}/healthz", lambda _: True)
             await wait_healthy(session, sink, f"http://127.0.0.1:{sink_port}/healthz", lambda _: True)
-            for gateway, url in gateways.values():
+            for mode, (gateway, url) in gateways.items():
+                worker_url = workers[mode][1]
                 await wait_healthy(session, gateway, f"{url}/healthz", lambda body: body.get("workers_healthy", 0) >= 1)
                 async with session.get(f"{worker_url}/internal/info") as response:
                     model = (await response.json())["model"]
                 await sanity_check(session, worker_url, url, key, model)
-        print(f"fake worker at {worker_url}; gateways: "
+        print(f"{args.upstream} upstream; gateways: "
               + ", ".join(f"{m} pid {g.pid}" for m, (g, _) in gateways.items()), flush=True)
-        results: dict[str, list[RunResult]] = {mode: [] for mode in MODES}
+        results: dict[str, list[RunResult]] = {mode: [] for mode in modes}
         for round_number in range(args.rounds):
-            for mode in MODES if round_number % 2 == 0 else reversed(MODES):
+            for mode in modes if round_number % 2 == 0 else reversed(modes):
                 gateway, url = gateways[mode]
                 gateway.check_alive()
                 result = await closed_loop(mode, gateway_request(url, key, model, stream=args.stream),
@@ -122,14 +147,14 @@ def report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> Non
     cpu = {mode: min(r.cpu_ms_per_request["gateway"] for r in runs) for mode, runs in results.items()}
     base = best["off"].p50_ms
     print()
-    print(f"{'stream' if args.stream else 'non-streaming'} chat, max_tokens 8, C={args.concurrency}, "
+    print(f"{'stream' if args.stream else 'non-streaming'} chat, max_tokens 8, C={args.concurrency}, {args.upstream} upstream, "
           f"best p50 of {args.rounds} rounds × {args.seconds:g} s")
     print(f"{'mode':7} {'p50 ms':>8} {'added':>8} {'p99 ms':>8} {'req/s':>8} {'gw CPU ms/req (min)':>20}")
-    for mode in MODES:
+    for mode in results:
         r = best[mode]
         print(f"{mode:7} {r.p50_ms:8.3f} {(r.p50_ms - base) / base * 100:+7.1f}% {r.p99_ms:8.3f} {r.rps:8,.0f} "
               f"{cpu[mode]:20.3f}")
-    for mode in MODES[1:]:
+    for mode in list(results)[1:]:
         added = (best[mode].p50_ms - base) / base
         print(f"goal ≤ {GOAL_ADDED:.0%} added p50 with tracing on ({mode}): "
               f"{'met' if added <= GOAL_ADDED else 'NOT met'} ({added:+.1%})")
@@ -141,6 +166,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each measures every mode once")
     parser.add_argument("--concurrency", type=int, default=1, help="closed-loop clients")
     parser.add_argument("--stream", action="store_true", help="stream=true (SSE) instead of plain JSON")
+    parser.add_argument("--upstream", choices=["fake", "engine"], default="fake",
+                        help="the fake worker (the gateway's share alone) or real engine workers (end to end)")
+    parser.add_argument("--models-from", type=Path, default=REPO_ROOT / ".tollway",
+                        help="TOLLWAY_HOME holding the converted default model (--upstream engine)")
     parser.add_argument("--sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # run as the OTLP sink
     args = parser.parse_args()
     if args.sink:
