@@ -25,7 +25,7 @@ from gateway.auth import bearer_token
 from gateway.batch_dispatch import dispatch
 from gateway.errors import ApiError, invalid
 from gateway.files_api import file_store
-from gateway.request_body import read_json_object
+from gateway.request_body import query_int, read_json_object
 from gateway.state import AUTH, SETTINGS
 from gateway.transactions import in_transaction
 
@@ -83,20 +83,10 @@ async def create_batch(request: web.Request) -> web.Response:
     return web.json_response(created)
 
 
-def _query_int(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise invalid(f"'{name}' must be an integer", name) from exc
-
-
 async def list_batches(request: web.Request) -> web.Response:
     """List your tenant's batches, newest first (?limit= 1..100, default 20; ?after=BATCH_ID)."""
     record = await request.app[AUTH].authenticate(bearer_token(request))
-    limit = _query_int(request, "limit", batches.DEFAULT_LIST_LIMIT)
+    limit = query_int(request, "limit", batches.DEFAULT_LIST_LIMIT)
     after = request.query.get("after") or None
 
     def work(session: Session) -> tuple[list[dict[str, Any]], bool]:

@@ -26,6 +26,7 @@ from accounting.batch_input import BatchInputError, validate_batch_input
 from accounting.file_store import FileStore, LocalFileStore
 from gateway.auth import bearer_token
 from gateway.errors import ApiError, invalid
+from gateway.request_body import query_int
 from gateway.state import AUTH, SETTINGS
 from gateway.transactions import in_transaction
 
@@ -122,21 +123,11 @@ async def upload_file(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def _query_int(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise invalid(f"'{name}' must be an integer", name) from exc
-
-
 async def list_files(request: web.Request) -> web.Response:
     """List your tenant's files, newest first (?purpose=, ?limit=, ?after=FILE_ID, ?order=asc|desc)."""
     tenant_id = await _tenant_id(request)
     purpose = request.query.get("purpose") or None
-    limit = _query_int(request, "limit", files.MAX_LIST_LIMIT)
+    limit = query_int(request, "limit", files.MAX_LIST_LIMIT)
     after = request.query.get("after") or None
     order = request.query.get("order", "desc")
 

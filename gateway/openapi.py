@@ -43,6 +43,7 @@ SCHEMAS: dict[str, Any] = {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "null"]}}}}},
 }
+BROWSER_PAGES = ("/admin/dashboard",)
 REQUEST_BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
@@ -76,6 +77,8 @@ def build_openapi(app: web.Application) -> dict[str, Any]:
         if route.method in ("HEAD", "OPTIONS") or route.resource is None:
             continue
         path = route.resource.canonical
+        if path.startswith(BROWSER_PAGES):  # HTML for people, not part of the JSON API
+            continue
         paths.setdefault(path, {})[route.method.lower()] = _operation(path, route.method, route.handler)
     return {
         "openapi": "3.1.0",

@@ -32,3 +32,14 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     return body
+
+
+def query_int(request: web.Request, name: str, default: int) -> int:
+    """An integer query parameter (`default` when absent); a 400 naming it when it is not one."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise invalid(f"'{name}' must be an integer", name) from exc
