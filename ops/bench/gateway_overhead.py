@@ -142,7 +142,8 @@ def direct_request(worker_url: str) -> Request:
 
 
 def gateway_request(gateway_url: str, key: str, model: str, stream: bool) -> Request:
-    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream})
+    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream,
+                         "ignore_eos": True})  # exactly MAX_TOKENS from a real engine too
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     return post_request(f"{gateway_url}/v1/chat/completions", lambda: body, headers, "gateway")
 
@@ -254,13 +255,13 @@ async def sanity_check(session: aiohttp.ClientSession, worker_url: str, gateway_
                        model: str) -> None:
     """One request each way, checked, before timing anything."""
     body = {"request_id": "bench-check", "namespace": "bench", "prompt_token_ids": DIRECT_PROMPT_IDS,
-            "sampling": {"max_tokens": MAX_TOKENS}}
+            "sampling": {"max_tokens": MAX_TOKENS, "ignore_eos": True}}
     async with session.post(f"{worker_url}/internal/generate", json=body) as response:
         lines = [orjson.loads(line) for line in (await response.read()).splitlines() if line.strip()]
     if response.status != 200 or lines[-1].get("usage", {}).get("completion_tokens") != MAX_TOKENS:
         raise RuntimeError(f"unexpected direct answer ({response.status}): {lines[-1:]}")
     async with session.post(f"{gateway_url}/v1/chat/completions",
-                            json={"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS},
+                            json={"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "ignore_eos": True},
                             headers={"Authorization": f"Bearer {key}"}) as response:
         answer = await response.json()
     if response.status != 200 or answer.get("usage", {}).get("completion_tokens") != MAX_TOKENS:
