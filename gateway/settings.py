@@ -11,7 +11,7 @@ from gateway.telemetry import TracingSettings
 
 
 class GatewaySettings(TracingSettings):
-    """Also the tracing settings (telemetry/settings.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
+    """Also the tracing settings (gateway/telemetry.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 

@@ -11,7 +11,7 @@ from workers.telemetry import TracingSettings
 
 
 class WorkerSettings(TracingSettings):
-    """Also the tracing settings (telemetry/settings.py)."""
+    """Also the tracing settings (workers/telemetry.py)."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 

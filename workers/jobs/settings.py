@@ -11,13 +11,12 @@ from workers.telemetry import TracingSettings
 
 
 class JobSettings(TracingSettings):
-    """Also the tracing settings (telemetry/settings.py): run tasks and batch lines become spans."""
+    """Also the tracing settings (workers/telemetry.py): run tasks and batch lines become spans."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
     home: Path = Path(".tollway")
     """State folder: the SQLite database, the file store (`files/`), admin.key, the embedded broker."""
-    database_url: str | None = None
     redis_url: str | None = None
     broker_url: str | None = None
     """Celery broker; unset = `redis_url` if set, else SQLite in $TOLLWAY_HOME (as the gateway)."""
@@ -46,12 +45,6 @@ class JobSettings(TracingSettings):
         if self.redis_url:
             return self.redis_url
         return f"sqla+sqlite:///{self.home.resolve() / 'celery-broker.sqlite'}"
-
-    @property
-    def database(self) -> str:
-        if self.database_url:
-            return self.database_url
-        return f"sqlite:///{self.home / 'tollway.db'}"
 
     def resolved_admin_key(self) -> str:
         if self.admin_key:

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from accounting import batch_runs
 from accounting.db import create_db_engine, session_factory
 from accounting.file_store import LocalFileStore
+from accounting.settings import AccountingSettings
 from workers.jobs.app import QUEUE, RUN_TASK, SWEEP_TASK, app
 from workers.jobs.runner import BatchStep, RunnerConfig
 from workers.jobs.settings import job_settings
@@ -42,7 +43,7 @@ STEP_TIME_LIMIT_S = _limits.batch_step_s + _limits.batch_line_timeout_s + 120
 @functools.cache
 def sessions() -> sessionmaker[Session]:
     """The accounting database, opened on first use (once per worker process)."""
-    return session_factory(create_db_engine(job_settings().database))
+    return session_factory(create_db_engine(AccountingSettings().url))
 
 
 @functools.cache
