@@ -76,11 +76,15 @@ def completion_budget(entry: ModelEntry, params: GenerationRequest, num_prompt: 
 
 def worker_body(request_id: str, namespace: str, prompt: list[int], params: GenerationRequest,
                 max_tokens: int, priority: str = "interactive") -> dict[str, object]:
+    """What the worker gets. A non-streamed request without logprobs asks for the joined answer
+    (`"stream": false`: one line per choice at the end, not one per token): the gateway has nothing
+    to forward before the end, and a line per token costs it a wakeup and a parse each. Logprobs
+    keep the per-token lines, whose texts set the legacy `text_offset`s exactly as when streamed."""
     sampling = {**params.sampling, "max_tokens": max_tokens}
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
     return {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
-            "sampling": sampling, "priority": priority}
+            "sampling": sampling, "priority": priority, "stream": params.stream or params.logprobs is not None}
 
 
 def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:

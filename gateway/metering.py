@@ -42,9 +42,10 @@ class RequestMeter:
         """Account one worker line (called for every line, in order)."""
         self.started = True
         if line["token_ids"]:
-            self._last_token_s = time.perf_counter()
+            self._last_token_s = now = time.perf_counter()
             if self._first_token_s is None:
-                self._first_token_s = self._last_token_s
+                # A joined line (non-streamed) came at the end: its first token was decode_s earlier.
+                self._first_token_s = now - line.get("decode_s", 0.0)
             self.received_tokens += len(line["token_ids"])
         if line["finish_reason"] is not None:
             self.finish_reason = self.finish_reasons[line.get("index", 0)] = line["finish_reason"]

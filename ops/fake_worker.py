@@ -3,10 +3,12 @@
 It serves the same internal HTTP API as the real worker (`workers/server.py`), with the same
 request validation, 400 shape, NDJSON stream shape and `/internal/info` keys, but streams canned
 tokens at once (or every `delay_s`): token i of each choice has id i and text " tok{i}", the last
-one finishes with "length", and the request's last line adds usage. Sampling fields other than
+one finishes with "length", and the request's last line adds usage (with `"stream": false`, one joined
+line per choice at the end, as the real worker). Sampling fields other than
 `max_tokens`, `n` and `logprobs` are validated and then ignored. Hooks for gateway tests: every
-received JSON body is recorded in `requests`; `fail_after_tokens` drops the connection after that
-many lines (a worker dying mid-stream); `healthy = False` makes `/healthz` answer 503.
+received JSON body is recorded in `requests` (its trace headers in `trace_headers`);
+`fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream);
+`healthy = False` makes `/healthz` answer 503.
 
 `GET /internal/tokenizer` serves a tiny character-level tokenizer (printable ASCII, newline and
 tab, plus ChatML special tokens) with a ChatML chat template, in the real route's shape.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +59,7 @@ class FakeWorker:
     block_size: int = 8
     num_blocks: int = 1024
     requests: list[Any] = field(default_factory=list)  # every JSON body received, in order
+    trace_headers: list[dict[str, str]] = field(default_factory=list)  # their traceparent/tracestate, if any
     running: set[str] = field(default_factory=set)  # request ids streaming now
     cancelled: set[str] = field(default_factory=set)  # running ids asked to stop (cancel route)
     max_running: int = 0  # the most requests ever streaming at once (concurrency limits are checked here)
@@ -79,7 +83,7 @@ FAKE_WORKER_KEY = web.AppKey("fake_worker", FakeWorker)
 METRICS_KEY = web.AppKey("fake_metrics", WorkerMetrics)  # the real worker's metric names and kinds
 
 
-def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams]:
+def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams, bool]:
     parsed = protocol.parse_generate(body, sampling_defaults={"max_tokens": 16})  # the real engine's is 256
     request_id, namespace, prompt, params = parsed.request_id, parsed.namespace, parsed.prompt, parsed.params
     # The engine's checks (Engine.validate_request), in its order.
@@ -91,7 +95,7 @@ def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], 
         raise protocol.BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
     if request_id in worker.running:
         raise protocol.BadRequest(f"request id {request_id!r} is already running")
-    return request_id, namespace, prompt, params
+    return request_id, namespace, prompt, params, parsed.stream
 
 
 def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: SamplingParams) -> list[dict[str, Any]]:
@@ -125,49 +129,72 @@ def _account(worker: FakeWorker, namespace: str, usage: dict[str, int], choices:
     worker.totals["completion"] += usage["completion_tokens"]
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
+def _answer(request: web.Request, body: Any, headers: Mapping[str, str]) -> AsyncGenerator[list[dict[str, Any]]]:
+    """The answer to one generate body in batches of lines (as the real worker's `answer`); raises
+    BadRequest at once for a bad body."""
     worker = request.app[FAKE_WORKER_KEY]
-    try:
-        body = await request.json(loads=orjson.loads)
-    except (orjson.JSONDecodeError, UnicodeDecodeError):
-        return protocol.error(400, "the body is not valid JSON")
     worker.requests.append(body)
-    try:
-        request_id, namespace, prompt, params = parse_generate(worker, body)
-    except protocol.BadRequest as exc:
-        return protocol.error(400, str(exc))
-    lines = _lines(worker, namespace, prompt, params)
+    worker.trace_headers.append({k: headers[k] for k in ("traceparent", "tracestate") if k in headers})
+    request_id, namespace, prompt, params, stream = parse_generate(worker, body)
+    return _emit(request, worker, request_id, namespace, _lines(worker, namespace, prompt, params), params.n, stream)
+
+
+async def _emit(request: web.Request, worker: FakeWorker, request_id: str, namespace: str,
+                lines: list[dict[str, Any]], choices: int, stream: bool) -> AsyncGenerator[list[dict[str, Any]]]:
+    joiner = None if stream else protocol.LineJoiner()  # as the real worker: all at the end
     worker.running.add(request_id)
     worker.max_running = max(worker.max_running, len(worker.running))
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
-        await response.prepare(request)
         for sent, line in enumerate(lines):
             if request_id in worker.cancelled:  # as the engine: an "abort" line with the usage so far
                 usage = {**lines[-1]["usage"], "completion_tokens": sent}
-                await response.write(orjson.dumps({"index": 0, "token_ids": [], "text": "",
-                                                   "finish_reason": "abort", "usage": usage}) + b"\n")
-                break
-            if sent == worker.fail_after_tokens:
+                line = {"index": 0, "token_ids": [], "text": "", "finish_reason": "abort", "usage": usage}
+            elif sent == worker.fail_after_tokens:
                 if request.transport is not None:
                     request.transport.abort()  # the worker "dies": no more bytes, no chunked end
-                return response
-            if worker.delay_s > 0:
+                return
+            elif worker.delay_s > 0:
                 await asyncio.sleep(worker.delay_s)
-            await response.write(orjson.dumps(line) + b"\n")
-        else:
-            _account(worker, namespace, lines[-1]["usage"], params.n)
+            if joiner is None:
+                yield [line]
+            else:
+                joiner.add(line, time.perf_counter())
+            if "usage" in line:
+                break
+        if line is lines[-1]:  # ran to the end (not cancelled)
+            _account(worker, namespace, lines[-1]["usage"], choices)
             metrics, usage = request.app[METRICS_KEY], lines[-1]["usage"]
             metrics.prompt_tokens.inc(usage["prompt_tokens"])
             metrics.cached_tokens.inc(usage["cached_tokens"])
             metrics.completion_tokens.inc(usage["completion_tokens"])
-            metrics.finished.labels(reason="length").inc(params.n)
-        await response.write_eof()
-    except ConnectionResetError:  # the caller hung up: nothing more to send
-        pass
+            metrics.finished.labels(reason="length").inc(choices)
+        if joiner is not None:
+            yield joiner.lines()
     finally:
         worker.running.discard(request_id)
         worker.cancelled.discard(request_id)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=orjson.loads)
+    except (orjson.JSONDecodeError, UnicodeDecodeError):
+        return protocol.error(400, "the body is not valid JSON")
+    try:
+        lines = _answer(request, body, request.headers)
+    except protocol.BadRequest as exc:
+        return protocol.error(400, str(exc))
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await response.prepare(request)
+        async for batch in lines:
+            await response.write(b"".join(orjson.dumps(line) + b"\n" for line in batch))
+        if request.transport is not None and not request.transport.is_closing():
+            await response.write_eof()
+    except ConnectionResetError:  # the caller hung up: nothing more to send
+        pass
+    finally:
+        await lines.aclose()
     return response
 
 

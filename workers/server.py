@@ -1,10 +1,11 @@
 """The worker's internal HTTP API for the gateway (aiohttp).
 
-POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority}
+POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority[, stream]}
                          -> NDJSON deltas {index, token_ids, text, finish_reason[, logprobs]}
                          (index = choice, for n > 1); the request's last line adds usage
-                         {prompt_tokens, cached_tokens, completion_tokens}.
-                         A closed connection aborts the request.
+                         {prompt_tokens, cached_tokens, completion_tokens}. With "stream": false
+                         the deltas come at the end, one joined line per choice plus `decode_s`
+                         (workers/protocol.py LineJoiner). A closed connection aborts the request.
 POST /internal/requests/{id}/cancel  stop a request; its stream ends with an "abort" line that
                          still carries usage (so a client that went away is billed exactly)
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -35,7 +38,7 @@ from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 from workers.metrics import WorkerMetrics, make_metrics
 from workers.models.tokenizer import tokenizer_payload
-from workers.protocol import GenerateRequest, error, parse_generate
+from workers.protocol import GenerateRequest, LineJoiner, error, parse_generate
 from workers.telemetry import PROPAGATOR
 from workers.tracing import WorkerTracing
 
@@ -45,14 +48,15 @@ TRACING_KEY = web.AppKey("tracing", WorkerTracing)  # absent when tracing is off
 MAX_TRACE_IDS = 64
 
 
-def _start_span(request: web.Request, parsed: GenerateRequest) -> tuple[Span | None, TraceParent | None]:
-    tracing = request.app.get(TRACING_KEY)
+def _start_span(app: web.Application, parsed: GenerateRequest,
+                headers: Mapping[str, str]) -> tuple[Span | None, TraceParent | None]:
+    tracing = app.get(TRACING_KEY)
     if tracing is None:
         return None, None
-    span = tracing.tracer.start_span("worker.generate", context=PROPAGATOR.extract(request.headers),
+    span = tracing.tracer.start_span("worker.generate", context=PROPAGATOR.extract(headers),
                                      kind=SpanKind.SERVER, attributes={
                                          "gen_ai.operation.name": "generate",
-                                         "gen_ai.request.model": request.app[ENGINE_KEY].engine.name,
+                                         "gen_ai.request.model": app[ENGINE_KEY].engine.name,
                                          "gen_ai.request.max_tokens": parsed.params.max_tokens,
                                          "tollway.request.id": parsed.request_id,
                                          "tollway.priority": parsed.priority,
@@ -78,60 +82,90 @@ def _end_span(span: Span, outcome: _Outcome) -> None:
     span.end()
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    try:
-        body = await request.json(loads=orjson.loads)
-    except (orjson.JSONDecodeError, UnicodeDecodeError):
-        return error(400, "the body is not valid JSON")
-    try:
-        parsed = parse_generate(body)
-    except ValueError as exc:
-        return error(400, str(exc))
-    span, trace = _start_span(request, parsed)
+def _line(delta: Any, metrics: WorkerMetrics, outcome: _Outcome) -> dict[str, Any]:
+    """One engine delta as a protocol line; counts what it finished."""
+    line = {"index": delta.index, "token_ids": delta.token_ids, "text": delta.text,
+            "finish_reason": delta.finish_reason}
+    if delta.logprobs is not None:
+        line["logprobs"] = delta.logprobs
+        line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
+    if delta.usage is not None:
+        line["usage"] = outcome.usage = delta.usage
+        metrics.prompt_tokens.inc(delta.usage["prompt_tokens"])
+        metrics.cached_tokens.inc(delta.usage["cached_tokens"])
+        metrics.completion_tokens.inc(delta.usage["completion_tokens"])
+    if delta.finish_reason is not None:
+        outcome.finish_reasons[delta.index] = delta.finish_reason
+        metrics.finished.labels(reason=delta.finish_reason).inc()
+    return line
+
+
+async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
+                 hung_up: Callable[[], bool] = lambda: False) -> AsyncIterator[list[dict[str, Any]]]:
+    """The answer to one generate body, in batches of lines to send together: one line per batch
+    when streamed; when not, an empty batch once it runs, then every joined line in one batch at
+    the end. Raises ValueError (a 400)
+    before its first batch for a bad request. Closing it early aborts the request in the engine;
+    `hung_up` tells a joined answer, which writes nothing until the end, that its caller left."""
+    parsed = parse_generate(body)
+    span, trace = _start_span(app, parsed, headers)
     outcome = _Outcome()
     try:
-        return await _stream(request, parsed, trace, outcome)
+        stream = app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params, parsed.namespace,
+                                          Priority[parsed.priority.upper()], trace)
+        try:
+            delta = await anext(stream)  # validation errors surface here, before any byte is sent
+            joiner = None if parsed.stream else LineJoiner()
+            accepted = False
+            while True:
+                line = _line(delta, app[METRICS_KEY], outcome)
+                if joiner is None:
+                    yield [line]
+                else:
+                    joiner.add(line, time.perf_counter())
+                    if not accepted:
+                        accepted = True
+                        yield []  # validated and running: an HTTP caller gets its headers now
+                if delta.usage is not None:  # the request's last line: every choice has finished
+                    break
+                if joiner is not None and hung_up():
+                    return
+                delta = await anext(stream)
+            if joiner is not None:
+                yield joiner.lines()
+        finally:
+            await stream.aclose()  # before the end, this aborts the request
     finally:
         if span is not None:
             _end_span(span, outcome)
 
 
-async def _stream(request: web.Request, parsed: GenerateRequest, trace: TraceParent | None,
-                  outcome: _Outcome) -> web.StreamResponse:
+def ndjson(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(orjson.dumps(line) + b"\n" for line in lines)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
     try:
-        stream = request.app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params,
-                                                  parsed.namespace, Priority[parsed.priority.upper()], trace)
-        first = await anext(stream)  # validation errors surface here, before any byte is sent
+        body = await request.json(loads=orjson.loads)
+    except (orjson.JSONDecodeError, UnicodeDecodeError):
+        return error(400, "the body is not valid JSON")
+    lines = answer(request.app, body, request.headers,
+                   hung_up=lambda: request.transport is None or request.transport.is_closing())
+    try:
+        batch = await anext(lines)
     except ValueError as exc:
         return error(400, str(exc))
-    metrics = request.app[METRICS_KEY]
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
-    delta = first
     try:
-        while True:
-            line = {"index": delta.index, "token_ids": delta.token_ids, "text": delta.text,
-                    "finish_reason": delta.finish_reason}
-            if delta.logprobs is not None:
-                line["logprobs"] = delta.logprobs
-                line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
-            if delta.usage is not None:
-                line["usage"] = delta.usage
-                outcome.usage = delta.usage
-                metrics.prompt_tokens.inc(delta.usage["prompt_tokens"])
-                metrics.cached_tokens.inc(delta.usage["cached_tokens"])
-                metrics.completion_tokens.inc(delta.usage["completion_tokens"])
-            if delta.finish_reason is not None:
-                outcome.finish_reasons[delta.index] = delta.finish_reason
-                metrics.finished.labels(reason=delta.finish_reason).inc()
-            await response.write(orjson.dumps(line) + b"\n")
-            if delta.usage is not None:  # the request's last line: every choice has finished
-                break
-            delta = await anext(stream)
+        await response.prepare(request)
+        while batch is not None:
+            if batch:
+                await response.write(ndjson(batch))
+            batch = await anext(lines, None)
     except ConnectionResetError:  # the caller hung up: nothing more to send
         return response
     finally:
-        await stream.aclose()  # on a closed connection this aborts the request
+        await lines.aclose()  # on a closed connection this aborts the request
     await response.write_eof()
     return response
 

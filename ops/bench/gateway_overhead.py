@@ -9,7 +9,8 @@ in the path; `PathOptions` chooses their stores (in-process / Redis, SQLite / an
 For each concurrency level C (closed loop: C clients, each sending its next request as soon as the
 last one ends; a 1 s warm-up, then `--seconds` measured), it measures
   (a) direct: `POST {worker}/internal/generate` with ~20 prompt token ids, max_tokens 8, the whole
-      NDJSON body read;
+      NDJSON body read (`"stream": false`, the joined answer, as the gateway asks for a non-streamed
+      request; the streaming variant streams);
   (b) gateway: `POST {gateway}/v1/chat/completions`, non-streaming, one short user message,
       max_tokens 8, the whole JSON body read;
 and prints requests/s, p50/p99 latency of both, the added latency (gateway - direct at p50 and at
@@ -28,7 +29,7 @@ Goals (issue): added p50 <= 2 ms, added p99 <= 10 ms, >= 1,500 non-streaming req
 process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4-vCPU pod.
 
     .venv/bin/python ops/bench/gateway_overhead.py [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
-        [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R]
+        [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R] [--pin-gateway]
 
 `--rate R` paces the C clients to R requests/s in all, for both direct and gateway runs: the added
 latency at C clients then compares the two at the same offered load (below the gateway's capacity),
@@ -131,11 +132,12 @@ def prepare_home(home: Path, options: PathOptions) -> str:
     return key
 
 
-def direct_request(worker_url: str) -> Request:
+def direct_request(worker_url: str, stream: bool) -> Request:
+    """What the gateway asks of the worker for the same call: the joined answer when not streamed."""
     ids = itertools.count()
 
     def body() -> bytes:
-        return orjson.dumps({"request_id": f"bench-{next(ids)}", "namespace": "bench",
+        return orjson.dumps({"request_id": f"bench-{next(ids)}", "namespace": "bench", "stream": stream,
                              "prompt_token_ids": DIRECT_PROMPT_IDS, "sampling": {"max_tokens": MAX_TOKENS}})
 
     return post_request(f"{worker_url}/internal/generate", body, {"Content-Type": "application/json"}, "worker")
@@ -169,7 +171,7 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int, rat
     print(f"Non-streaming POST, max_tokens 8, {pacing} (latency in ms; CPU = CPU ms per request of that process)")
     header = (f"{'C':>4} | {'direct req/s':>12} {'p50':>7} {'p99':>7} | {'gateway req/s':>13} {'p50':>7} "
               f"{'p99':>7} | {'added p50':>9} {'added p99':>9} | {'gw CPU':>7} {'gw req/s/core':>13} "
-              f"{'worker CPU d/g':>15} | errors d/g")
+              f"{'worker CPU d/g':>15} | errors d/g | steal % d/g")
     print(header)
     print("-" * len(header))
     rows = []
@@ -185,12 +187,14 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int, rat
                "gateway_cpu_ms_per_request": gw_cpu, "gateway_rps_per_core": per_core,
                "worker_cpu_ms_per_request_direct": d.cpu_ms_per_request.get("worker", float("nan")),
                "worker_cpu_ms_per_request_gateway": g.cpu_ms_per_request.get("worker", float("nan")),
-               "errors_direct": d.errors, "errors_gateway": g.errors}
+               "errors_direct": d.errors, "errors_gateway": g.errors,
+               "steal_pct_direct": d.steal_pct, "steal_pct_gateway": g.steal_pct}
         rows.append(row)
         print(f"{c:>4} | {d.rps:>12,.0f} {d.p50_ms:>7.2f} {d.p99_ms:>7.2f} | {g.rps:>13,.0f} {g.p50_ms:>7.2f} "
               f"{g.p99_ms:>7.2f} | {row['added_p50_ms']:>+9.2f} {row['added_p99_ms']:>+9.2f} | {gw_cpu:>7.3f} "
               f"{per_core:>13,.0f} {row['worker_cpu_ms_per_request_direct']:>7.3f}/"
-              f"{row['worker_cpu_ms_per_request_gateway']:<7.3f} | {d.errors}/{g.errors}")
+              f"{row['worker_cpu_ms_per_request_gateway']:<7.3f} | {d.errors}/{g.errors} | "
+              f"{d.steal_pct:.0f}/{g.steal_pct:.0f}")
     for r in results:
         if r.first_error:
             print(f"  first error ({r.target}, C={r.concurrency}{', stream' if r.stream else ''}): {r.first_error}")
@@ -232,6 +236,8 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int, rat
     print(f"Note: {cores} cores here, shared by the load generator (this process), the gateway and the fake "
           "worker, so measured gateway req/s is a lower bound and latency at high C includes waiting for a "
           "core; 'gw req/s/core' = 1 / gateway CPU s per request is the per-process capacity on one free core.")
+    print("Note: 'steal %' is the share of this machine's CPU time the hypervisor gave to other guests during "
+          "the window (/proc/stat); above a few percent, latencies include waits no process here caused.")
     return {"rows": rows, "runs": [asdict(r) for r in results], "note": options.note(), "cores": cores, "rate": rate,
             "goals": {"added_p50_ms": GOAL_ADDED_P50_MS, "added_p99_ms": GOAL_ADDED_P99_MS, "rps": GOAL_RPS},
             "anchor": ANCHOR}
@@ -283,6 +289,8 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
                                     TOLLWAY_HEALTH_INTERVAL_S="1", **options.gateway_env()),
                           home / "gateway.log")
         services.append(gateway)
+        if args.pin_gateway:
+            pin_gateway(gateway.pid, worker.pid)
         async with aiohttp.ClientSession() as session:
             await wait_healthy(session, worker, f"{worker_url}/healthz", lambda _: True)
             await wait_healthy(session, gateway, f"{gateway_url}/healthz",
@@ -296,10 +304,10 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
         pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid()}
         plan: list[tuple[str, Request, int, bool]] = []
         for c in args.concurrency:
-            plan.append(("direct", direct_request(worker_url), c, False))
+            plan.append(("direct", direct_request(worker_url, stream=False), c, False))
             plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False), c, False))
         if not args.no_stream:
-            plan.append(("direct", direct_request(worker_url), 1, True))
+            plan.append(("direct", direct_request(worker_url, stream=True), 1, True))
             plan.append(("gateway", gateway_request(gateway_url, key, model, stream=True), 1, True))
         results = []
         for target, send, c, stream in plan:
@@ -313,6 +321,18 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
     finally:
         for service in reversed(services):
             service.stop()
+
+
+def pin_gateway(gateway_pid: int, worker_pid: int) -> None:
+    """The gateway on the last core alone; this load generator and the fake worker on the others, so
+    the gateway's latency is not its wait for a core the load generator holds."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin-gateway needs at least 2 cores")
+    os.sched_setaffinity(gateway_pid, {cores[-1]})
+    for pid in (0, worker_pid):
+        os.sched_setaffinity(pid, set(cores[:-1]))
+    print(f"pinned: gateway on core {cores[-1]}, load generator and fake worker on {cores[:-1]}", flush=True)
 
 
 def parse_levels(text: str) -> list[int]:
@@ -329,6 +349,8 @@ def main() -> None:
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also dump the results as JSON (to stdout, or to PATH)")
     parser.add_argument("--no-stream", action="store_true", help="skip the streaming run at C=1")
+    parser.add_argument("--pin-gateway", action="store_true",
+                        help="run the gateway alone on the last core, everything else on the others")
     parser.add_argument("--rate", type=float, default=None,
                         help="pace the C clients to this many requests/s in all (default: closed loop)")
     parser.add_argument("--quotas", action="store_true",

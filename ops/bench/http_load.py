@@ -97,6 +97,13 @@ async def wait_healthy(session: aiohttp.ClientSession, service: Service, url: st
         await asyncio.sleep(0.1)
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of the whole machine, from /proc/stat: steal is the time the hypervisor
+    ran someone else while this VM's CPUs wanted to run."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 @dataclass
 class Sample:
     start: float
@@ -137,6 +144,7 @@ class RunResult:
     ttfb_p50_ms: float
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # process name -> CPU ms / request
     first_error: str | None = None
+    steal_pct: float = float("nan")  # of the machine's CPU time during the window (noisy neighbours)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -156,6 +164,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
     loop_start = time.perf_counter()
     window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
     cpu: dict[str, list[float]] = {}
+    machine: list[tuple[int, int]] = []
 
     async def client(session: aiohttp.ClientSession, index: int) -> None:
         next_send = loop_start + (index / rate if rate else 0.0)
@@ -179,6 +188,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
             await asyncio.sleep(max(0.0, edge - time.perf_counter()))
             for name, pid in pids.items():
                 cpu.setdefault(name, []).append(cpu_seconds(pid))
+            machine.append(cpu_times())
 
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT,
                                      auto_decompress=False) as session:
@@ -195,4 +205,6 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
         cpu_ms_per_request={name: (after - before) * 1e3 / n if n else float("nan")
                             for name, (before, after) in cpu.items()},
         first_error=errors[0] if errors else None,
+        steal_pct=(100.0 * (machine[1][0] - machine[0][0]) / max(1, machine[1][1] - machine[0][1])
+                   if len(machine) == 2 else float("nan")),
     )

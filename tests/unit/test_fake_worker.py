@@ -66,6 +66,19 @@ async def test_stream_shape_matches_the_real_worker(real, fake, sampling: dict) 
     assert fake_usage == {**real_usage, "cached_tokens": 0}
 
 
+@pytest.mark.parametrize("sampling", [{}, {"n": 2}, {"logprobs": 2, "n": 2}])
+async def test_joined_answer_shape_matches_the_real_worker(real, fake, sampling: dict) -> None:
+    joined = {**body(**sampling), "stream": False}
+    real_lines = await read_stream(await real.post("/internal/generate", json=joined))
+    fake_lines = await read_stream(await fake[0].post("/internal/generate", json=joined))
+    assert [shape(line) for line in fake_lines] == [shape(line) for line in real_lines]
+    assert len(real_lines) == sampling.get("n", 1)  # one joined line per choice
+    for key in ("finish_reason",):
+        assert [line[key] for line in fake_lines] == [line[key] for line in real_lines]
+    assert all(len(line["token_ids"]) == 4 and line["decode_s"] >= 0 for line in real_lines + fake_lines)
+    assert "usage" in real_lines[-1] and "usage" in fake_lines[-1]
+
+
 async def test_canned_tokens_and_usage(aiohttp_client) -> None:
     worker = FakeWorker(cached_tokens=lambda namespace, prompt: len(prompt) // 2)
     client = await aiohttp_client(create_fake_worker_app(worker))

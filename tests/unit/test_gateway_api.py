@@ -82,6 +82,7 @@ async def test_chat_completion_tokenizes_routes_and_answers(setup) -> None:
     assert body["choices"][0]["message"] == {"role": "assistant", "content": " tok0 tok1 tok2"}
     assert body["choices"][0]["finish_reason"] == "length"
     sent = worker.requests[-1]
+    assert sent["stream"] is False  # the joined answer: nothing to forward before the end
     assert sent["namespace"] == f"tenant-{tenant_id}"  # from the key, never from the client
     assert sent["sampling"]["max_tokens"] == 3
     prompt_text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -93,9 +94,10 @@ async def test_chat_completion_tokenizes_routes_and_answers(setup) -> None:
 
 
 async def test_streamed_chat_ends_with_usage_then_done(setup) -> None:
-    client, auth, _, _ = setup
+    client, auth, worker, _ = setup
     response = await client.post("/v1/chat/completions", headers=auth,
                                  json=chat(stream=True, stream_options={"include_usage": True}))
+    assert worker.requests[-1]["stream"] is True
     assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(await response.text())
     assert events[-1] == "[DONE]"
@@ -125,6 +127,16 @@ async def test_completions_take_text_or_token_ids(setup) -> None:
         assert [c["index"] for c in body["choices"]] == [0, 1]
         assert all(c["text"] == " tok0 tok1" for c in body["choices"])
         assert len(worker.requests[-1]["prompt_token_ids"]) == 3
+
+
+async def test_non_streamed_logprobs_keep_the_per_token_lines(setup) -> None:
+    client, auth, worker, _ = setup
+    response = await client.post("/v1/completions", headers=auth,
+                                 json={"model": MODEL, "prompt": "abc", "max_tokens": 3, "logprobs": 1})
+    assert response.status == 200, await response.text()
+    assert worker.requests[-1]["stream"] is True  # their texts set text_offset as when streamed
+    logprobs = (await response.json())["choices"][0]["logprobs"]
+    assert logprobs["text_offset"] == [0, 5, 10] and len(logprobs["token_logprobs"]) == 3
 
 
 @pytest.mark.parametrize(("fields", "param"), [

@@ -81,6 +81,16 @@ async def test_a_client_that_hangs_up_is_billed_for_what_was_generated(aiohttp_c
     assert not worker.running
 
 
+async def test_a_joined_answer_still_records_the_time_to_its_first_token(aiohttp_client, aiohttp_server,
+                                                                           tmp_path: Path) -> None:
+    worker = FakeWorker(delay_s=0.05)  # 5 tokens: the first ~50 ms in, the last ~250 ms
+    client, auth, _ = await gateway_for(aiohttp_client, aiohttp_server, tmp_path, worker)
+    response = await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=5))
+    assert response.status == 200 and worker.requests[-1]["stream"] is False
+    [row] = usage_rows(tmp_path)
+    assert row.latency_ms >= 250 and row.ttft_ms < row.latency_ms - 150  # decode_s took the decode off
+
+
 async def test_quota_rejections_are_429s_with_openai_types_and_headers(aiohttp_client, aiohttp_server,
                                                                        tmp_path: Path) -> None:
     client, auth, _ = await gateway_for(aiohttp_client, aiohttp_server, tmp_path, FakeWorker(), rpm=2, tpm=10_000)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -24,7 +24,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import POOL
 from gateway.telemetry import RecentSpans
 from gateway.tracing import GatewayTracing
-from ops.fake_worker import create_fake_worker_app
+from ops.fake_worker import FakeWorker, create_fake_worker_app
 from tests.unit.test_gateway_api import make_tenant_key
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
@@ -217,17 +217,8 @@ async def test_the_recent_spans_buffers_and_the_workers_traces_route(traced_stac
 
 
 async def test_tracing_off_sends_no_traceparent(aiohttp_client, aiohttp_server, tmp_path: Path) -> None:
-    seen: list[str | None] = []
-
-    @web.middleware
-    async def record_headers(request: web.Request, handler):
-        if request.path == "/internal/generate":
-            seen.append(request.headers.get("traceparent"))
-        return await handler(request)
-
-    worker_app = create_fake_worker_app()
-    worker_app.middlewares.append(record_headers)
-    worker = await aiohttp_server(worker_app)
+    fake = FakeWorker()
+    worker = await aiohttp_server(create_fake_worker_app(fake))
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db")
     app = create_app(GatewaySettings(home=tmp_path, worker_urls=str(worker.make_url("")).rstrip("/"),
                                      admin_key="test-admin-key", health_interval_s=0.2))
@@ -238,7 +229,7 @@ async def test_tracing_off_sends_no_traceparent(aiohttp_client, aiohttp_server, 
                                        "stream": True})
     assert response.status == 200
     await response.read()
-    assert seen == [None]
+    assert len(fake.requests) == 1 and fake.trace_headers == [{}]
 
 
 def test_the_two_telemetry_copies_stay_identical() -> None:

@@ -13,6 +13,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.loader import LoadedModel
+from workers.protocol import LineJoiner
 from workers.server import create_worker_app
 
 PROMPT = list(range(5, 45))
@@ -50,6 +51,37 @@ async def test_generate_streams_deltas_then_usage(worker, tiny) -> None:
     assert again[-1]["usage"]["cached_tokens"] == len(PROMPT) - 1  # all but the last token, which is always computed
 
 
+async def test_a_non_streamed_request_gets_one_joined_line_per_choice(worker) -> None:
+    client, _ = worker
+    sampling = {"n": 2, "temperature": 0.7, "seed": 11}
+    streamed = await read_stream(await client.post("/internal/generate", json=body("s", **sampling)))
+    joined = await read_stream(await client.post("/internal/generate", json={**body("j", **sampling), "stream": False}))
+    assert sorted(line["index"] for line in joined) == [0, 1]
+    for line in joined:  # the same seed gives the same tokens, joined in order
+        deltas = [d for d in streamed if d["index"] == line["index"]]
+        assert line["token_ids"] == [t for d in deltas for t in d["token_ids"]]
+        assert line["text"] == "".join(d["text"] for d in deltas)
+        assert line["finish_reason"] == "length" and line["decode_s"] >= 0
+    assert "usage" not in joined[0] and joined[-1]["usage"]["completion_tokens"] == 16
+    assert joined[-1]["usage"]["prompt_tokens"] == streamed[-1]["usage"]["prompt_tokens"]
+
+
+async def test_a_closed_connection_aborts_a_joined_request(worker) -> None:
+    client, engine = worker
+    response = await client.post("/internal/generate", json={**body("long", max_tokens=10_000), "stream": False})
+    for _ in range(200):  # nothing is written before the end: wait until it runs
+        if engine.info()["running"]:
+            break
+        await asyncio.sleep(0.02)
+    response.close()  # the gateway hung up
+    for _ in range(200):
+        if engine.info()["finished"]:
+            break
+        await asyncio.sleep(0.05)
+    info = engine.info()
+    assert info["running"] == 0 and info["finished"] == {"abort": 1}
+
+
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
@@ -59,6 +91,7 @@ async def test_generate_streams_deltas_then_usage(worker, tiny) -> None:
         ({**body(), "prompt_token_ids": []}, "no tokens"),
         ({**body(), "prompt_token_ids": [1, 10**9]}, "token ids"),
         ({**body(), "priority": "urgent"}, "priority"),
+        ({**body(), "stream": "no"}, "stream must be true or false"),
         (body(top_p=0), "top_p"),
         (body(colour="blue"), "unknown sampling fields"),
         (body(max_tokens="many"), "must be a number"),
@@ -151,3 +184,19 @@ async def test_tokenizer_files_let_the_gateway_tokenize_without_the_model(worker
     assert payload["model"] == "tiny"
     gateway_tokenizer = TextTokenizer.from_payload(payload)
     assert gateway_tokenizer.encode("w1 w2 w3") == tiny.tokenizer.encode("w1 w2 w3")
+
+
+def test_line_joiner_joins_each_choice_and_puts_the_usage_line_last() -> None:
+    joiner = LineJoiner()
+    deltas = [({"index": 1, "token_ids": [7], "text": "a", "finish_reason": None, "logprobs": [-1.0]}, 10.0),
+              ({"index": 0, "token_ids": [8], "text": "b", "finish_reason": None, "logprobs": [-2.0]}, 10.5),
+              ({"index": 1, "token_ids": [9], "text": "c", "finish_reason": "stop", "logprobs": [-3.0]}, 12.0),
+              ({"index": 0, "token_ids": [], "text": "", "finish_reason": "abort",
+                "usage": {"prompt_tokens": 4, "cached_tokens": 0, "completion_tokens": 3}}, 13.0)]
+    for delta, now in deltas:
+        joiner.add(delta, now)
+    first, last = joiner.lines()
+    assert first == {"index": 1, "token_ids": [7, 9], "text": "ac", "finish_reason": "stop", "decode_s": 2.0,
+                     "logprobs": [-1.0, -3.0]}
+    assert last["index"] == 0 and last["token_ids"] == [8] and last["finish_reason"] == "abort"
+    assert last["decode_s"] == 0.0 and last["usage"]["completion_tokens"] == 3  # an empty delta adds no time
