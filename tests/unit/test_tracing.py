@@ -230,17 +230,3 @@ async def test_tracing_off_sends_no_traceparent(aiohttp_client, aiohttp_server, 
     assert response.status == 200
     await response.read()
     assert len(fake.requests) == 1 and fake.trace_headers == [{}]
-
-
-def test_the_two_telemetry_copies_stay_identical() -> None:
-    """gateway/ and workers/ may not import each other, so each owns telemetry.py: same code below
-    the docstring."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-
-    def code(side: str) -> str:
-        text = (root / side / "telemetry.py").read_text()
-        return text[text.index('"""', 3) + 3:]
-
-    assert code("gateway") == code("workers")
