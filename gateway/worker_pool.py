@@ -1,10 +1,11 @@
-"""The engine workers behind this gateway: health, load, models, and the NDJSON stream to one.
+"""The engine workers behind this gateway: health, load, models, and the stream of one request.
 
 Ownership: the pool owns one `WorkerState` per configured worker URL and the model catalog it
 learns from them (each model's context length and tokenizer, fetched once from a worker's
 `/internal/tokenizer`). A background task polls every worker's `/internal/info`; a worker that
 fails a poll or a request is out of rotation until a poll succeeds again. `in_flight` counts the
 gateway's own open requests to a worker (the router's load signal); only `stream()` changes it.
+Requests go over each worker's generate channel (gateway/worker_channel.py), not one HTTP call each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_i
 
 from gateway.telemetry import PROPAGATOR
 from gateway.tokenizer import TextTokenizer
+from gateway.worker_channel import ChannelClosed, ChannelRefused, WorkerChannel
 
 log = logging.getLogger("tollway.gateway")
 
@@ -67,7 +69,8 @@ class WorkerPool:
         self.models: dict[str, ModelEntry] = {}
         self._session = session
         self._health_interval_s = health_interval_s
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s)
+        # One generate channel per worker, shared by all of this gateway's requests to it.
+        self._channels = {url: WorkerChannel(url, session, connect_timeout_s) for url in self.workers}
         self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
         self._task: asyncio.Task[None] | None = None
         self._tracer = tracer  # None: no span, no traceparent
@@ -81,6 +84,7 @@ class WorkerPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
 
     async def _poll_forever(self) -> None:
         while True:
@@ -130,14 +134,14 @@ class WorkerPool:
             log.warning("could not cancel %s on %s: %r", request_id, url, exc)
 
     async def stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The worker's NDJSON lines for one generate request, ending with the line carrying usage.
+        """The worker's lines for one generate request, ending with the line carrying usage.
 
         Raises UpstreamUnavailable (nothing streamed yet: retry elsewhere), UpstreamRejected (4xx),
-        or UpstreamBroken (the stream broke after it began). Closing the iterator early closes the
-        connection, which aborts the request on the worker.
+        or UpstreamBroken (the stream broke after it began). Closing the iterator early aborts the
+        request on the worker.
         """
         worker = self.workers[url]
-        headers = {"Content-Type": "application/json"}
+        headers: dict[str, str] = {}
         span = None
         if self._tracer is not None:  # the worker joins this trace through `traceparent`
             span = self._tracer.start_span("gateway.worker.generate", kind=SpanKind.CLIENT, attributes={
@@ -160,38 +164,22 @@ class WorkerPool:
 
     async def _lines(self, worker: WorkerState, body: dict[str, Any],
                      headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
-        url = worker.url
         started = False
         try:
-            response = await self._session.post(f"{url}/internal/generate", data=orjson.dumps(body),
-                                                headers=headers, timeout=self._timeout)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.mark_down(worker, f"request failed: {exc!r}")
-            raise UpstreamUnavailable(str(exc)) from exc
-        async with response:
-            if 400 <= response.status < 500:
-                raise UpstreamRejected(response.status, await _error_message(response))
-            if response.status != 200:
-                raise UpstreamUnavailable(f"worker answered {response.status}")
-            try:
-                # Lines that arrive together are parsed together: one wakeup per network read.
-                pending = b""
-                async for chunk in response.content.iter_any():
-                    *lines, pending = (pending + chunk).split(b"\n")
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        message = orjson.loads(line)
-                        started = True
-                        yield message
-                        if "usage" in message:
-                            return
-            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-                self.mark_down(worker, f"stream broke: {exc!r}")
-                raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
-            error = UpstreamBroken if started else UpstreamUnavailable
-            self.mark_down(worker, "stream ended without usage")
-            raise error("the worker closed the stream before the request finished")
+            # aclosing: leaving early sends the worker an abort for this request
+            async with contextlib.aclosing(self._channels[worker.url].generate(body, headers)) as lines:
+                async for line in lines:
+                    started = True
+                    yield line
+                    if "usage" in line:
+                        return
+        except ChannelRefused as exc:
+            if 400 <= exc.status < 500:
+                raise UpstreamRejected(exc.status, exc.message) from exc
+            raise (UpstreamBroken if started else UpstreamUnavailable)(f"worker answered {exc.status}") from exc
+        except ChannelClosed as exc:
+            self.mark_down(worker, str(exc))
+            raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
 
     async def recent_spans(self, url: str, trace_ids: list[str]) -> list[dict[str, Any]]:
         """The worker's finished spans of these traces (its ring buffer); [] when it has none or fails."""
@@ -203,10 +191,3 @@ class WorkerPool:
                 return list((await response.json(loads=orjson.loads))["spans"])
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError):
             return []
-
-
-async def _error_message(response: aiohttp.ClientResponse) -> str:
-    try:
-        return str((await response.json(loads=orjson.loads))["error"]["message"])
-    except (aiohttp.ClientError, ValueError, KeyError, TypeError):
-        return f"the worker refused the request ({response.status})"

@@ -7,8 +7,8 @@ one finishes with "length", and the request's last line adds usage (with `"strea
 line per choice at the end, as the real worker). Sampling fields other than
 `max_tokens`, `n` and `logprobs` are validated and then ignored. Hooks for gateway tests: every
 received JSON body is recorded in `requests` (its trace headers in `trace_headers`);
-`fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream);
-`healthy = False` makes `/healthz` answer 503.
+`fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream: on the
+generate channel, every request on it fails); `healthy = False` makes `/healthz` answer 503.
 
 `GET /internal/tokenizer` serves a tiny character-level tokenizer (printable ASCII, newline and
 tab, plus ChatML special tokens) with a ChatML chat template, in the real route's shape.
@@ -32,6 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from workers import protocol  # the real worker's request parsing: no torch, no model
+from workers.channel import serve_channel, setup_channels
 from workers.engine.params import SamplingParams
 from workers.metrics import WorkerMetrics, make_metrics
 
@@ -151,7 +152,7 @@ async def _emit(request: web.Request, worker: FakeWorker, request_id: str, names
                 line = {"index": 0, "token_ids": [], "text": "", "finish_reason": "abort", "usage": usage}
             elif sent == worker.fail_after_tokens:
                 if request.transport is not None:
-                    request.transport.abort()  # the worker "dies": no more bytes, no chunked end
+                    request.transport.abort()  # the worker "dies": no more bytes (on a channel: for all)
                 return
             elif worker.delay_s > 0:
                 await asyncio.sleep(worker.delay_s)
@@ -196,6 +197,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         await lines.aclose()
     return response
+
+
+async def channel(request: web.Request) -> web.WebSocketResponse:
+    """The generate channel (workers/channel.py), answered as `generate` answers."""
+    return await serve_channel(request, lambda body, headers: _answer(request, body, headers))
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -255,6 +261,8 @@ def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> 
     app[FAKE_WORKER_KEY] = state = worker if worker is not None else FakeWorker(**options)
     app[METRICS_KEY] = make_metrics(state.info)
     app.router.add_post("/internal/generate", generate)
+    app.router.add_get("/internal/channel", channel)
+    setup_channels(app)
     app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)
     app.router.add_get("/internal/tokenizer", tokenizer)

@@ -6,6 +6,8 @@ POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling
                          {prompt_tokens, cached_tokens, completion_tokens}. With "stream": false
                          the deltas come at the end, one joined line per choice plus `decode_s`
                          (workers/protocol.py LineJoiner). A closed connection aborts the request.
+GET  /internal/channel   a websocket carrying many generate requests at once, the same answers
+                         in frames (workers/channel.py): the gateway's transport to its workers
 POST /internal/requests/{id}/cancel  stop a request; its stream ends with an "abort" line that
                          still carries usage (so a client that went away is billed exactly)
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
@@ -14,7 +16,7 @@ GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes w
 GET  /internal/traces?trace_id=…  this worker's finished spans of those traces (when tracing is on)
 GET  /healthz            liveness
 GET  /metrics            Prometheus text format (workers/metrics.py)
-With tracing on, a generate call's `traceparent` header makes its `worker.generate` span (and the
+With tracing on, a generate call's `traceparent` header (or a channel frame's) makes its `worker.generate` span (and the
 engine's phase spans under it) part of the caller's trace.
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
 """
@@ -33,6 +35,7 @@ from opentelemetry.trace import Span, SpanKind, set_span_in_context
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from workers.channel import serve_channel, setup_channels
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
@@ -170,6 +173,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def channel(request: web.Request) -> web.WebSocketResponse:
+    """Many generate requests over one websocket (the gateway's transport; workers/channel.py)."""
+    return await serve_channel(request, lambda body, headers: answer(request.app, body, headers))
+
+
 async def cancel(request: web.Request) -> web.Response:
     """Stop a request; its open stream ends with an 'abort' line carrying the usage so far."""
     request.app[ENGINE_KEY].cancel(request.match_info["request_id"])
@@ -214,6 +222,8 @@ def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None)
     if tracing is not None:
         app[TRACING_KEY] = tracing
     app.router.add_post("/internal/generate", generate)
+    app.router.add_get("/internal/channel", channel)
+    setup_channels(app)
     app.router.add_post("/internal/requests/{request_id}/cancel", cancel)
     app.router.add_get("/internal/info", info)
     app.router.add_get("/internal/tokenizer", tokenizer)

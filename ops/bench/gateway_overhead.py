@@ -1,18 +1,19 @@
 """Gateway overhead: the latency the gateway adds over calling an engine worker directly, and its throughput.
 
 Setup, all on 127.0.0.1: one fake engine worker (`python -m ops.fake_worker`, a test double that
-answers 8 canned tokens at once, no model) and one gateway process (`python -m ops.cli gateway`)
+answers `--tokens` canned tokens (8 by default) at once, or one every `--token-delay-ms` as an
+engine's decode steps would; no model) and one gateway process (`python -m ops.cli gateway`)
 in front of it, with a fresh SQLite database holding one tenant and one API key. Auth is on: every
 gateway request carries the key (a cached lookup after the first). Quotas and metering are always
 in the path; `PathOptions` chooses their stores (in-process / Redis, SQLite / another database).
 
 For each concurrency level C (closed loop: C clients, each sending its next request as soon as the
 last one ends; a 1 s warm-up, then `--seconds` measured), it measures
-  (a) direct: `POST {worker}/internal/generate` with ~20 prompt token ids, max_tokens 8, the whole
+  (a) direct: `POST {worker}/internal/generate` with ~20 prompt token ids, max_tokens N, the whole
       NDJSON body read (`"stream": false`, the joined answer, as the gateway asks for a non-streamed
       request; the streaming variant streams);
   (b) gateway: `POST {gateway}/v1/chat/completions`, non-streaming, one short user message,
-      max_tokens 8, the whole JSON body read;
+      max_tokens N, the whole JSON body read;
 and prints requests/s, p50/p99 latency of both, the added latency (gateway - direct at p50 and at
 p99), and the gateway process's CPU time per request (utime + stime from /proc/<pid>/stat over the
 measured window). Then a streaming variant at C = 1 (SSE, `stream: true`): time to first and to
@@ -30,6 +31,7 @@ process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4
 
     .venv/bin/python ops/bench/gateway_overhead.py [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
         [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R] [--pin-gateway]
+        [--tokens N] [--token-delay-ms D]
 
 `--rate R` paces the C clients to R requests/s in all, for both direct and gateway runs: the added
 latency at C clients then compares the two at the same offered load (below the gateway's capacity),
@@ -69,7 +71,7 @@ from ops.bench.http_load import (
 )
 
 TENANT = f"bench-{secrets.token_hex(4)}"  # unique: a shared database may hold earlier runs
-MAX_TOKENS = 8  # the fake worker answers exactly max_tokens tokens
+DEFAULT_TOKENS = 8  # the fake worker answers exactly max_tokens tokens
 DIRECT_PROMPT_IDS = list(range(100, 120))  # ~ the ids of a short chat prompt
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -132,20 +134,20 @@ def prepare_home(home: Path, options: PathOptions) -> str:
     return key
 
 
-def direct_request(worker_url: str, stream: bool) -> Request:
+def direct_request(worker_url: str, stream: bool, tokens: int) -> Request:
     """What the gateway asks of the worker for the same call: the joined answer when not streamed."""
     ids = itertools.count()
 
     def body() -> bytes:
         return orjson.dumps({"request_id": f"bench-{next(ids)}", "namespace": "bench", "stream": stream,
-                             "prompt_token_ids": DIRECT_PROMPT_IDS, "sampling": {"max_tokens": MAX_TOKENS}})
+                             "prompt_token_ids": DIRECT_PROMPT_IDS, "sampling": {"max_tokens": tokens}})
 
     return post_request(f"{worker_url}/internal/generate", body, {"Content-Type": "application/json"}, "worker")
 
 
-def gateway_request(gateway_url: str, key: str, model: str, stream: bool) -> Request:
-    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "stream": stream,
-                         "ignore_eos": True})  # exactly MAX_TOKENS from a real engine too
+def gateway_request(gateway_url: str, key: str, model: str, stream: bool, tokens: int) -> Request:
+    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": tokens, "stream": stream,
+                         "ignore_eos": True})  # exactly `tokens` from a real engine too
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     return post_request(f"{gateway_url}/v1/chat/completions", lambda: body, headers, "gateway")
 
@@ -162,13 +164,16 @@ def littles_law_added_ms(row: dict[str, Any]) -> float:
     return c * 1e3 / row["gateway_rps"] - c * 1e3 / row["direct_rps"]
 
 
-def print_report(results: list[RunResult], options: PathOptions, cores: int, rate: float | None = None) -> dict[str, Any]:
+def print_report(results: list[RunResult], options: PathOptions, cores: int, rate: float | None = None,
+                 tokens: int = DEFAULT_TOKENS, token_delay_ms: float = 0.0) -> dict[str, Any]:
     """The table and goal lines; returns the summary that --json dumps."""
     by_key = {(r.target, r.concurrency, r.stream): r for r in results}
     levels = sorted({r.concurrency for r in results if not r.stream})
     print()
     pacing = f"paced at {rate:,.0f} req/s offered" if rate else "closed loop"
-    print(f"Non-streaming POST, max_tokens 8, {pacing} (latency in ms; CPU = CPU ms per request of that process)")
+    pace = f", one every {token_delay_ms:g} ms" if token_delay_ms else " at once"
+    print(f"Non-streaming POST, max_tokens {tokens}{pace}, {pacing} (latency in ms; CPU = CPU ms per request of "
+          "that process)")
     header = (f"{'C':>4} | {'direct req/s':>12} {'p50':>7} {'p99':>7} | {'gateway req/s':>13} {'p50':>7} "
               f"{'p99':>7} | {'added p50':>9} {'added p99':>9} | {'gw CPU':>7} {'gw req/s/core':>13} "
               f"{'worker CPU d/g':>15} | errors d/g | steal % d/g")
@@ -239,6 +244,7 @@ def print_report(results: list[RunResult], options: PathOptions, cores: int, rat
     print("Note: 'steal %' is the share of this machine's CPU time the hypervisor gave to other guests during "
           "the window (/proc/stat); above a few percent, latencies include waits no process here caused.")
     return {"rows": rows, "runs": [asdict(r) for r in results], "note": options.note(), "cores": cores, "rate": rate,
+            "tokens": tokens, "token_delay_ms": token_delay_ms,
             "goals": {"added_p50_ms": GOAL_ADDED_P50_MS, "added_p99_ms": GOAL_ADDED_P99_MS, "rps": GOAL_RPS},
             "anchor": ANCHOR}
 
@@ -258,19 +264,19 @@ def finite(value: Any) -> Any:
 
 
 async def sanity_check(session: aiohttp.ClientSession, worker_url: str, gateway_url: str, key: str,
-                       model: str) -> None:
+                       model: str, tokens: int) -> None:
     """One request each way, checked, before timing anything."""
     body = {"request_id": "bench-check", "namespace": "bench", "prompt_token_ids": DIRECT_PROMPT_IDS,
-            "sampling": {"max_tokens": MAX_TOKENS, "ignore_eos": True}}
+            "sampling": {"max_tokens": tokens, "ignore_eos": True}}
     async with session.post(f"{worker_url}/internal/generate", json=body) as response:
         lines = [orjson.loads(line) for line in (await response.read()).splitlines() if line.strip()]
-    if response.status != 200 or lines[-1].get("usage", {}).get("completion_tokens") != MAX_TOKENS:
+    if response.status != 200 or lines[-1].get("usage", {}).get("completion_tokens") != tokens:
         raise RuntimeError(f"unexpected direct answer ({response.status}): {lines[-1:]}")
     async with session.post(f"{gateway_url}/v1/chat/completions",
-                            json={"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                            json={"model": model, "messages": MESSAGES, "max_tokens": tokens, "ignore_eos": True},
                             headers={"Authorization": f"Bearer {key}"}) as response:
         answer = await response.json()
-    if response.status != 200 or answer.get("usage", {}).get("completion_tokens") != MAX_TOKENS:
+    if response.status != 200 or answer.get("usage", {}).get("completion_tokens") != tokens:
         raise RuntimeError(f"unexpected gateway answer ({response.status}): {answer}")
 
 
@@ -280,7 +286,8 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
     worker_url, gateway_url = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{gateway_port}"
     services: list[Service] = []
     try:
-        worker = Service("fake worker", ["-m", "ops.fake_worker", "--port", str(worker_port)],
+        worker = Service("fake worker", ["-m", "ops.fake_worker", "--port", str(worker_port),
+                                         "--delay-s", str(args.token_delay_ms / 1e3)],
                          child_env(), home / "worker.log")
         services.append(worker)
         gateway = Service("gateway", ["-m", "ops.cli", "gateway", "--port", str(gateway_port)],
@@ -297,18 +304,20 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
                                lambda body: body.get("workers_healthy", 0) >= 1)
             async with session.get(f"{worker_url}/internal/info") as response:
                 model = (await response.json())["model"]
-            await sanity_check(session, worker_url, gateway_url, key, model)
+            await sanity_check(session, worker_url, gateway_url, key, model, args.tokens)
         print(f"fake worker pid {worker.pid} at {worker_url}; gateway pid {gateway.pid} at {gateway_url}; "
               f"model {model!r}; warm-up {WARMUP_S:g} s + {args.seconds:g} s per run", flush=True)
 
         pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid()}
         plan: list[tuple[str, Request, int, bool]] = []
         for c in args.concurrency:
-            plan.append(("direct", direct_request(worker_url, stream=False), c, False))
-            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False), c, False))
+            plan.append(("direct", direct_request(worker_url, stream=False, tokens=args.tokens), c, False))
+            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False, tokens=args.tokens), c,
+                         False))
         if not args.no_stream:
-            plan.append(("direct", direct_request(worker_url, stream=True), 1, True))
-            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=True), 1, True))
+            plan.append(("direct", direct_request(worker_url, stream=True, tokens=args.tokens), 1, True))
+            plan.append(("gateway", gateway_request(gateway_url, key, model, stream=True, tokens=args.tokens), 1,
+                         True))
         results = []
         for target, send, c, stream in plan:
             for service in services:
@@ -349,6 +358,9 @@ def main() -> None:
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="also dump the results as JSON (to stdout, or to PATH)")
     parser.add_argument("--no-stream", action="store_true", help="skip the streaming run at C=1")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="max_tokens of every request")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0,
+                        help="the fake worker's time per token (an engine's decode step; default: all at once)")
     parser.add_argument("--pin-gateway", action="store_true",
                         help="run the gateway alone on the last core, everything else on the others")
     parser.add_argument("--rate", type=float, default=None,
@@ -374,7 +386,7 @@ def main() -> None:
         results = asyncio.run(run(args, home, options))
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    summary = print_report(results, options, cores, args.rate)
+    summary = print_report(results, options, cores, args.rate, args.tokens, args.token_delay_ms)
     text = json.dumps(finite(summary), indent=2)
     if args.json == "-":
         print(text)

@@ -1,0 +1,125 @@
+"""The gateway's end of a worker's generate channel (workers/channel.py): one websocket per worker,
+many requests on it at once.
+
+Ownership: a `WorkerChannel` belongs to the pool's entry for one worker URL. It opens its
+connection on first use (concurrent first callers share the attempt) and again after the worker
+closed it; each `_Connection` owns its reader task and the queues of the requests it carries. When
+a connection ends, every request still on it gets `ChannelClosed`, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+MAX_FRAME_BYTES = 64 * 2**20  # a joined answer holds a whole completion
+HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
+_CLOSED = object()  # put on each waiting queue when the connection ends
+
+
+class ChannelClosed(Exception):
+    """The connection to the worker failed or ended before the request did."""
+
+
+class ChannelRefused(Exception):
+    """The worker refused the request (an `error` frame)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Connection:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.waiting: dict[int, asyncio.Queue[Any]] = {}
+        self.reader = asyncio.create_task(self._read(), name="tollway-worker-channel")
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.ws:
+                if message.type != aiohttp.WSMsgType.BINARY:
+                    continue
+                frame = orjson.loads(message.data)
+                queue = self.waiting.get(frame.get("id"))
+                if queue is not None:  # else a late frame of a request that was given up
+                    queue.put_nowait(frame)
+        except (aiohttp.ClientError, orjson.JSONDecodeError, ConnectionError):
+            pass
+        finally:
+            for queue in self.waiting.values():
+                queue.put_nowait(_CLOSED)
+            await self.ws.close()
+
+    @property
+    def open(self) -> bool:
+        return not self.ws.closed and not self.reader.done()
+
+
+class WorkerChannel:
+    def __init__(self, url: str, session: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+        self._url = f"{url}/internal/channel"
+        self._session = session
+        self._connect_timeout_s = connect_timeout_s
+        self._connection: _Connection | None = None
+        self._connecting: asyncio.Lock = asyncio.Lock()
+        self._ids = itertools.count()
+
+    async def _open(self) -> _Connection:
+        connection = self._connection
+        if connection is not None and connection.open:
+            return connection
+        async with self._connecting:
+            if self._connection is None or not self._connection.open:
+                try:
+                    async with asyncio.timeout(self._connect_timeout_s):
+                        ws = await self._session.ws_connect(self._url, max_msg_size=MAX_FRAME_BYTES, compress=0,
+                                                            heartbeat=HEARTBEAT_S)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise ChannelClosed(f"cannot open the channel: {exc!r}") from exc
+                self._connection = _Connection(ws)
+            return self._connection
+
+    async def generate(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        """The worker's lines for `body`, ending with the one carrying usage. Raises ChannelClosed
+        or ChannelRefused. Closing the iterator before the end aborts the request on the worker."""
+        connection = await self._open()
+        request_id = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        connection.waiting[request_id] = queue
+        finished = False
+        try:
+            try:
+                await connection.ws.send_bytes(orjson.dumps({"op": "generate", "id": request_id, "body": body,
+                                                             "headers": headers}))
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                raise ChannelClosed(f"cannot send to the worker: {exc!r}") from exc
+            while not finished:
+                frame = await queue.get()
+                if frame is _CLOSED:
+                    raise ChannelClosed("the worker closed the channel")
+                if "error" in frame:
+                    finished = True
+                    raise ChannelRefused(int(frame["error"]["status"]), str(frame["error"]["message"]))
+                for line in frame["lines"]:
+                    finished = "usage" in line
+                    yield line
+        finally:
+            connection.waiting.pop(request_id, None)
+            if not finished and connection.open:  # given up early: stop it on the worker
+                with contextlib.suppress(aiohttp.ClientError, ConnectionError):
+                    await connection.ws.send_bytes(orjson.dumps({"op": "abort", "id": request_id}))
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.ws.close()
+            connection.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connection.reader
