@@ -29,13 +29,19 @@ gateway's CPU time per request: 1 / cpu_s_per_request is what one core of gatewa
 Goals (issue): added p50 <= 2 ms, added p99 <= 10 ms, >= 1,500 non-streaming req/s per gateway
 process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4-vCPU pod.
 
-    .venv/bin/python ops/bench/gateway_overhead.py [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
+    .venv/bin/python -m ops.bench.gateway_overhead [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
         [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R] [--pin-gateway]
         [--tokens N] [--token-delay-ms D]
 
 `--rate R` paces the C clients to R requests/s in all, for both direct and gateway runs: the added
 latency at C clients then compares the two at the same offered load (below the gateway's capacity),
 where the closed loop instead measures queueing behind whichever process saturates first.
+`--pin-gateway` gives the gateway a core of its own. `--tokens N --token-delay-ms D` make the fake
+worker answer N tokens, one every D ms, as an engine's decode steps would.
+
+To compare two checkouts, run it as a module from each (`cd CHECKOUT && .venv/bin/python -m
+ops.bench.gateway_overhead ...`): run by path, its imports, and so the gateway and worker it
+starts, come from wherever the venv's editable install points.
 """
 
 from __future__ import annotations
