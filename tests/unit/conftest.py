@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 import torch
 
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel, load_model
+from workers.server import create_worker_app
 
 
 @pytest.fixture(scope="module")
@@ -14,3 +18,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     from workers.models.tiny import write_tiny_model_folder
 
     return load_model(write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3), torch.float32)
+
+
+@pytest_asyncio.fixture
+async def worker(tiny: LoadedModel, aiohttp_client):
+    """The real worker app on the tiny model, served: (test client, its AsyncEngine)."""
+    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
+    client = await aiohttp_client(create_worker_app(engine))
+    yield client, engine
+    engine.shutdown()

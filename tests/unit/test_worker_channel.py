@@ -9,26 +9,13 @@ import json
 import aiohttp
 import orjson
 import pytest
-import pytest_asyncio
 from aiohttp import WSMsgType
 
 from gateway.worker_channel import ChannelClosed, ChannelRefused, WorkerChannel
 from ops.fake_worker import FakeWorker, create_fake_worker_app
-from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
-from workers.models.loader import LoadedModel
-from workers.server import create_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
-
-
-@pytest_asyncio.fixture
-async def worker(tiny: LoadedModel, aiohttp_client):
-    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
-    client = await aiohttp_client(create_worker_app(engine))
-    yield client, engine
-    engine.shutdown()
 
 
 def body(request_id: str, **sampling) -> dict:
