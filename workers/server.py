@@ -16,8 +16,8 @@ GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes w
 GET  /internal/traces?trace_id=…  this worker's finished spans of those traces (when tracing is on)
 GET  /healthz            liveness
 GET  /metrics            Prometheus text format (workers/metrics.py)
-With tracing on, a generate call's `traceparent` header (or a channel frame's) makes its `worker.generate` span (and the
-engine's phase spans under it) part of the caller's trace.
+With tracing on, a generate call's `traceparent` header (or a channel frame's) makes its
+`worker.generate` span (and the engine's phase spans under it) part of the caller's trace.
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
 """
 
@@ -107,9 +107,9 @@ async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
                  hung_up: Callable[[], bool] = lambda: False) -> AsyncIterator[list[dict[str, Any]]]:
     """The answer to one generate body, in batches of lines to send together: one line per batch
     when streamed; when not, an empty batch once it runs, then every joined line in one batch at
-    the end. Raises ValueError (a 400)
-    before its first batch for a bad request. Closing it early aborts the request in the engine;
-    `hung_up` tells a joined answer, which writes nothing until the end, that its caller left."""
+    the end. Raises ValueError (a 400) before its first batch for a bad request. Closing it early
+    aborts the request in the engine; `hung_up` tells a joined answer, which writes nothing until
+    the end, that its caller left."""
     parsed = parse_generate(body)
     span, trace = _start_span(app, parsed, headers)
     outcome = _Outcome()
