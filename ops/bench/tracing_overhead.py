@@ -35,7 +35,13 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from ops.bench.gateway_overhead import PathOptions, gateway_request, prepare_home, sanity_check
+from ops.bench.gateway_overhead import (
+    DEFAULT_TOKENS,
+    PathOptions,
+    gateway_request,
+    prepare_home,
+    sanity_check,
+)
 from ops.bench.http_load import REPO_ROOT, RunResult, Service, child_env, closed_loop, free_port, wait_healthy
 
 GOAL_ADDED = 0.05
@@ -117,7 +123,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, list[RunResult]
                 await wait_healthy(session, gateway, f"{url}/healthz", lambda body: body.get("workers_healthy", 0) >= 1)
                 async with session.get(f"{worker_url}/internal/info") as response:
                     model = (await response.json())["model"]
-                await sanity_check(session, worker_url, url, key, model)
+                await sanity_check(session, worker_url, url, key, model, DEFAULT_TOKENS)
         print(f"{args.upstream} upstream; gateways: "
               + ", ".join(f"{m} pid {g.pid}" for m, (g, _) in gateways.items()), flush=True)
         results: dict[str, list[RunResult]] = {mode: [] for mode in modes}
@@ -125,7 +131,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, list[RunResult]
             for mode in modes if round_number % 2 == 0 else reversed(modes):
                 gateway, url = gateways[mode]
                 gateway.check_alive()
-                result = await closed_loop(mode, gateway_request(url, key, model, stream=args.stream),
+                result = await closed_loop(mode, gateway_request(url, key, model, stream=args.stream, tokens=DEFAULT_TOKENS),
                                            args.concurrency, args.seconds, args.stream,
                                            {"gateway": gateway.pid, "client": os.getpid()})
                 results[mode].append(result)
