@@ -189,7 +189,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         await response.prepare(request)
         async for batch in lines:
-            await response.write(b"".join(orjson.dumps(line) + b"\n" for line in batch))
+            await response.write(protocol.ndjson(batch))
         if request.transport is not None and not request.transport.is_closing():
             await response.write_eof()
     except ConnectionResetError:  # the caller hung up: nothing more to send

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from workers.engine.params import SamplingParams
@@ -81,6 +82,11 @@ def parse_generate(body: Any, sampling_defaults: dict[str, Any] | None = None) -
         raise BadRequest("stream must be true or false")
     params = parse_sampling(body.get("sampling"), sampling_defaults)
     return GenerateRequest(request_id, namespace, prompt, params, priority, stream)
+
+
+def ndjson(lines: list[dict[str, Any]]) -> bytes:
+    """Lines of a generate answer as NDJSON bytes, written together."""
+    return b"".join(orjson.dumps(line) + b"\n" for line in lines)
 
 
 class LineJoiner:

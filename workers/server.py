@@ -41,7 +41,7 @@ from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 from workers.metrics import WorkerMetrics, make_metrics
 from workers.models.tokenizer import tokenizer_payload
-from workers.protocol import GenerateRequest, LineJoiner, error, parse_generate
+from workers.protocol import GenerateRequest, LineJoiner, error, ndjson, parse_generate
 from workers.telemetry import PROPAGATOR
 from workers.tracing import WorkerTracing
 
@@ -141,10 +141,6 @@ async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
     finally:
         if span is not None:
             _end_span(span, outcome)
-
-
-def ndjson(lines: list[dict[str, Any]]) -> bytes:
-    return b"".join(orjson.dumps(line) + b"\n" for line in lines)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
