@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -183,8 +184,19 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+async def freeze_startup_heap(app: web.Application) -> None:
+    """on_startup, last: move everything alive after start-up (modules, the tokenizer's Python side,
+    SQLAlchemy's and OpenTelemetry's registries...) out of the garbage collector's reach. A full
+    collection then scans only what serving has allocated since: without this, each one walks the
+    whole start-up heap (~20–60 ms with the event loop stopped, a p99 spike for every request in
+    flight). Serving processes only: a test process making many apps would pin every one of them."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_gateway(settings: GatewaySettings) -> None:
     app = create_app(settings)
+    app.on_startup.append(freeze_startup_heap)  # after every cleanup_ctx start-up (they run first)
     web.run_app(app, host=settings.host, port=settings.port, print=None, loop=new_event_loop(),
                 keepalive_timeout=settings.read_timeout_s,
                 access_log=aiohttp.web.access_logger if settings.access_log else None)

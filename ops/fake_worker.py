@@ -6,7 +6,8 @@ tokens at once (or every `delay_s`): token i of each choice has id i and text " 
 one finishes with "length", and the request's last line adds usage (with `"stream": false`, one joined
 line per choice at the end, as the real worker). Sampling fields other than
 `max_tokens`, `n` and `logprobs` are validated and then ignored. Hooks for gateway tests: every
-received JSON body is recorded in `requests` (its trace headers in `trace_headers`);
+received JSON body is recorded in `requests` (its trace headers in `trace_headers`; as a process,
+`--record-bodies` keeps them too, else only their count);
 `fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream: on the
 generate channel, every request on it fails); `healthy = False` makes `/healthz` answer 503.
 
@@ -31,6 +32,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.app import freeze_startup_heap
 from workers import protocol  # the real worker's request parsing: no torch, no model
 from workers.channel import serve_channel, setup_channels
 from workers.engine.params import SamplingParams
@@ -59,7 +61,9 @@ class FakeWorker:
     vocab_size: int = 49_152  # prompt token ids must be in [0, vocab_size), as on the real worker
     block_size: int = 8
     num_blocks: int = 1024
-    requests: list[Any] = field(default_factory=list)  # every JSON body received, in order
+    record_bodies: bool = True  # False: count the bodies only (a benchmark's long run would hoard them)
+    received: int = 0  # generate bodies received
+    requests: list[Any] = field(default_factory=list)  # every JSON body received, in order (if recorded)
     trace_headers: list[dict[str, str]] = field(default_factory=list)  # their traceparent/tracestate, if any
     running: set[str] = field(default_factory=set)  # request ids streaming now
     cancelled: set[str] = field(default_factory=set)  # running ids asked to stop (cancel route)
@@ -76,7 +80,7 @@ class FakeWorker:
             "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
             "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},
             "finished": dict(self.finished), "running": len(self.running), "waiting": 0, "preemptions": 0,
-            "fake": {"max_running": self.max_running, "requests": len(self.requests)},  # the double's own
+            "fake": {"max_running": self.max_running, "requests": self.received},  # the double's own
         }
 
 
@@ -134,8 +138,10 @@ def _answer(request: web.Request, body: Any, headers: Mapping[str, str]) -> Asyn
     """The answer to one generate body in batches of lines (as the real worker's `answer`); raises
     BadRequest at once for a bad body."""
     worker = request.app[FAKE_WORKER_KEY]
-    worker.requests.append(body)
-    worker.trace_headers.append({k: headers[k] for k in ("traceparent", "tracestate") if k in headers})
+    worker.received += 1
+    if worker.record_bodies:
+        worker.requests.append(body)
+        worker.trace_headers.append({k: headers[k] for k in ("traceparent", "tracestate") if k in headers})
     request_id, namespace, prompt, params, stream = parse_generate(worker, body)
     return _emit(request, worker, request_id, namespace, _lines(worker, namespace, prompt, params), params.n, stream)
 
@@ -278,8 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--context-length", type=int, default=8192)
     parser.add_argument("--delay-s", type=float, default=0.0, help="seconds before each streamed token")
+    parser.add_argument("--record-bodies", action="store_true",
+                        help="keep every request body in memory (the in-process test hook); off: count them only")
     args = parser.parse_args(argv)
-    app = create_fake_worker_app(model=args.model, context_length=args.context_length, delay_s=args.delay_s)
+    app = create_fake_worker_app(model=args.model, context_length=args.context_length, delay_s=args.delay_s,
+                                 record_bodies=args.record_bodies)
+    app.on_startup.append(freeze_startup_heap)
     print(f"fake worker (test double, no model) as {args.model!r} on http://{args.host}:{args.port}", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
 
