@@ -238,3 +238,38 @@ def test_durations_use_openais_format() -> None:
 def test_limits_reject_negative_values() -> None:
     with pytest.raises(ValueError):
         Limits(rpm=-1)
+
+
+@pytest.mark.asyncio
+async def test_redis_callers_beyond_the_pool_wait_then_count_redis_as_unreachable() -> None:
+    """With every connection busy (here: a server that never answers), the next caller queues for
+    `pool_timeout_s`, then gets a connection error: the failover store's cue to apply its policy."""
+    from gateway.quota_redis import CONNECTION_ERRORS, RedisQuotaStore
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisQuotaStore(f"redis://127.0.0.1:{port}/0", timeout_s=5.0, max_connections=1, pool_timeout_s=0.2)
+    limits = Limits(rpm=10, tpm=None, max_concurrent=None, monthly_token_budget=None)
+    try:
+        stuck = asyncio.ensure_future(store.admit("t:1", limits, "held", 0))  # holds the only connection
+        await asyncio.sleep(0.1)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(CONNECTION_ERRORS):
+            await store.admit("t:1", limits, "queued", 0)
+        waited = asyncio.get_running_loop().time() - started
+        assert 0.15 <= waited < 2.0  # the queue's timeout, not the 5 s socket timeout
+        assert len(accepted) == 1  # the queued caller never opened a second connection
+        stuck.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stuck
+    finally:
+        await store.close()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
