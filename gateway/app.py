@@ -191,7 +191,7 @@ async def freeze_startup_heap(app: web.Application) -> None:
     """on_startup, last: move everything alive after start-up (modules, the tokenizer's Python side,
     SQLAlchemy's and OpenTelemetry's registries...) out of the garbage collector's reach. A full
     collection then scans only what serving has allocated since: without this, each one walks the
-    whole start-up heap (~20–60 ms with the event loop stopped, a p99 spike for every request in
+    whole start-up heap (17–75 ms measured, with the event loop stopped, a p99 spike for every request in
     flight). Serving processes only: a test process making many apps would pin every one of them."""
     gc.collect()
     gc.freeze()
@@ -200,8 +200,8 @@ async def freeze_startup_heap(app: web.Application) -> None:
 def run_gateway(settings: GatewaySettings) -> None:
     # The event loop shares the GIL with the usage writer's thread. With Python's default 5 ms switch
     # interval, a commit that finished in SQLite could wait up to 5 ms for the GIL before it tells its
-    # requests they are billed: a p99 of +8 to +85 ms added at 1,000 req/s, against +4 to +12 ms at
-    # 0.5 ms (ops/bench/RESULTS.md). Serving processes only, as the heap freeze below.
+    # requests they are billed. At 1,000 req/s the added p99 ranged +3.6 to +85 ms at 5 ms and +3.6 to
+    # +11.8 ms at 0.5 ms (ops/bench/RESULTS.md). Serving processes only, as the heap freeze below.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings)
     app.on_startup.append(freeze_startup_heap)  # after every cleanup_ctx start-up (they run first)
