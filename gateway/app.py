@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import sys
 from collections.abc import AsyncIterator
 
@@ -30,6 +29,7 @@ from gateway.quota_redis import FailoverQuotaStore, RedisQuotaStore
 from gateway.quotas import QuotaStore
 from gateway.router import Router
 from gateway.settings import GatewaySettings
+from gateway.startup_heap import frozen_startup_heap
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
 from gateway.tracing import TRACING, GatewayTracing, gateway_tracing, setup_tracing, tracing_middleware
 from gateway.worker_pool import WorkerPool
@@ -187,16 +187,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-async def freeze_startup_heap(app: web.Application) -> None:
-    """on_startup, last: move everything alive after start-up (modules, the tokenizer's Python side,
-    SQLAlchemy's and OpenTelemetry's registries...) out of the garbage collector's reach. A full
-    collection then scans only what serving has allocated since: without this, each one walks the
-    whole start-up heap (17–75 ms measured, with the event loop stopped, a p99 spike for every request in
-    flight). Serving processes only: a test process making many apps would pin every one of them."""
-    gc.collect()
-    gc.freeze()
-
-
 def run_gateway(settings: GatewaySettings) -> None:
     # The event loop shares the GIL with the usage writer's thread. With Python's default 5 ms switch
     # interval, a commit that finished in SQLite could wait up to 5 ms for the GIL before it tells its
@@ -204,7 +194,7 @@ def run_gateway(settings: GatewaySettings) -> None:
     # +11.8 ms at 0.5 ms (ops/bench/RESULTS.md). Serving processes only, as the heap freeze below.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings)
-    app.on_startup.append(freeze_startup_heap)  # after every cleanup_ctx start-up (they run first)
+    app.cleanup_ctx.append(frozen_startup_heap)  # last: after every other start-up
     web.run_app(app, host=settings.host, port=settings.port, print=None, loop=new_event_loop(),
                 keepalive_timeout=settings.read_timeout_s,
                 access_log=aiohttp.web.access_logger if settings.access_log else None)

@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.app import freeze_startup_heap
+from gateway.startup_heap import frozen_startup_heap
 from workers import protocol  # the real worker's request parsing: no torch, no model
 from workers.channel import serve_channel, setup_channels
 from workers.engine.params import SamplingParams
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     app = create_fake_worker_app(model=args.model, context_length=args.context_length, delay_s=args.delay_s,
                                  record_bodies=args.record_bodies)
-    app.on_startup.append(freeze_startup_heap)
+    app.cleanup_ctx.append(frozen_startup_heap)
     print(f"fake worker (test double, no model) as {args.model!r} on http://{args.host}:{args.port}", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from rich.console import Console
 
+from gateway.startup_heap import frozen_startup_heap
 from ops.offline import engine_config, load_named_model
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
@@ -22,9 +23,10 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
+        app = create_worker_app(engine, tracing)
+        app.cleanup_ctx.append(frozen_startup_heap)  # the loaded model's Python side, torch, transformers
         # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
-        web.run_app(create_worker_app(engine, tracing), host=host, port=port, print=None,
-                    handler_cancellation=True)
+        web.run_app(app, host=host, port=port, print=None, handler_cancellation=True)
     finally:
         engine.shutdown()
         if tracing is not None:
