@@ -131,8 +131,8 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, list[RunResult]
             for mode in modes if round_number % 2 == 0 else reversed(modes):
                 gateway, url = gateways[mode]
                 gateway.check_alive()
-                result = await closed_loop(mode, gateway_request(url, key, model, stream=args.stream, tokens=DEFAULT_TOKENS),
-                                           args.concurrency, args.seconds, args.stream,
+                send = gateway_request(url, key, model, stream=args.stream, tokens=DEFAULT_TOKENS)
+                result = await closed_loop(mode, send, args.concurrency, args.seconds, args.stream,
                                            {"gateway": gateway.pid, "client": os.getpid()})
                 results[mode].append(result)
                 print(f"  round {round_number + 1} {mode:6} {result.rps:8,.0f} req/s  p50 {result.p50_ms:6.3f} ms  "
