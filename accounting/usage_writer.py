@@ -147,7 +147,7 @@ class UsageWriter:
 
         `stored`: an idempotent response committed in the same transaction as the row. While the
         database is down (rows go to the spool) it is not kept: a retry then runs again after the
-        claim goes stale (gateway/idempotency.py), and is billed as its own request.
+        claim goes stale (gateway/billing/idempotency.py), and is billed as its own request.
 
         Like `await asyncio.wrap_future(self.submit(record))`, but the writer wakes each event loop
         once per batch instead of once per record. Cancelling the wait does not stop the write.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -18,23 +18,34 @@ from aiohttp import web
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
 from accounting.usage_writer import UsageWriter
-from gateway import admin_api, batches_api, completions, dashboard, files_api, usage_api
-from gateway.auth import KeyCache, listen_for_invalidations, load_or_create_admin_key
-from gateway.batch_dispatch import setup_batches
-from gateway.errors import error_middleware
-from gateway.metrics import setup_metrics
-from gateway.openapi import build_openapi
-from gateway.quota_local import LocalQuotaStore
-from gateway.quota_redis import FailoverQuotaStore, RedisQuotaStore
-from gateway.quotas import QuotaStore
-from gateway.router import Router
+from gateway.api.errors import error_middleware
+from gateway.api.openapi import build_openapi
+from gateway.auth import admin_api
+from gateway.auth.keys import KeyCache, listen_for_invalidations, load_or_create_admin_key
+from gateway.batches import api as batches_api
+from gateway.batches.dispatch import setup_batches
+from gateway.billing import usage_api
+from gateway.files import api as files_api
+from gateway.observability import dashboard
+from gateway.observability.metrics import setup_metrics
+from gateway.observability.tracing import (
+    TRACING,
+    GatewayTracing,
+    gateway_tracing,
+    setup_tracing,
+    tracing_middleware,
+)
+from gateway.openai import views as completions
+from gateway.quotas.local import LocalQuotaStore
+from gateway.quotas.redis_store import FailoverQuotaStore, RedisQuotaStore
+from gateway.quotas.store import QuotaStore
 from gateway.settings import GatewaySettings
-from gateway.startup_heap import frozen_startup_heap
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
-from gateway.tracing import TRACING, GatewayTracing, gateway_tracing, setup_tracing, tracing_middleware
-from gateway.worker_pool import WorkerPool
+from gateway.upstream.pool import WorkerPool
+from gateway.upstream.router import Router
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+CleanupContext = Callable[[web.Application], AsyncIterator[None]]
 
 
 def database_url(settings: GatewaySettings) -> str:
@@ -187,14 +198,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def run_gateway(settings: GatewaySettings) -> None:
+def run_gateway(settings: GatewaySettings, last_contexts: Sequence[CleanupContext] = ()) -> None:
+    """Serve the gateway until stopped. `last_contexts` run after every other start-up (the serving
+    process's heap freeze, ops/startup_heap.py)."""
     # The event loop shares the GIL with the usage writer's thread. With Python's default 5 ms switch
     # interval, a commit that finished in SQLite could wait up to 5 ms for the GIL before it tells its
     # requests they are billed. At 1,000 req/s the added p99 ranged +3.6 to +85 ms at 5 ms and +3.6 to
-    # +11.8 ms at 0.5 ms (ops/bench/RESULTS.md). Serving processes only, as the heap freeze below.
+    # +11.8 ms at 0.5 ms (ops/bench/RESULTS.md). Serving processes only, as the heap freeze.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(settings)
-    app.cleanup_ctx.append(frozen_startup_heap)  # last: after every other start-up
+    app.cleanup_ctx.extend(last_contexts)
     web.run_app(app, host=settings.host, port=settings.port, print=None, loop=new_event_loop(),
                 keepalive_timeout=settings.read_timeout_s,
                 access_log=aiohttp.web.access_logger if settings.access_log else None)

@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic_settings import SettingsConfigDict
 
-from gateway.telemetry import TracingSettings
+from gateway.observability.telemetry import TracingSettings
 
 
 class GatewaySettings(TracingSettings):
-    """Also the tracing settings (gateway/telemetry.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
+    """Also the tracing settings (gateway/observability/telemetry.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 

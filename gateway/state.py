@@ -7,11 +7,11 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from accounting.usage_writer import UsageWriter
-from gateway.auth import KeyCache
-from gateway.quotas import QuotaStore
-from gateway.router import Router
+from gateway.auth.keys import KeyCache
+from gateway.quotas.store import QuotaStore
 from gateway.settings import GatewaySettings
-from gateway.worker_pool import WorkerPool
+from gateway.upstream.pool import WorkerPool
+from gateway.upstream.router import Router
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 DB = web.AppKey("db", Engine)

@@ -52,7 +52,7 @@ def _session(invalidates: bool = False) -> Iterator[Session]:
         with session_factory(engine).begin() as session:
             yield session
         if invalidates:
-            from gateway.auth import publish_invalidation
+            from gateway.auth.keys import publish_invalidation
             from gateway.settings import GatewaySettings
 
             publish_invalidation(GatewaySettings().redis_url)

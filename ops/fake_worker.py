@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.startup_heap import frozen_startup_heap
+from ops.startup_heap import frozen_startup_heap
 from workers import protocol  # the real worker's request parsing: no torch, no model
 from workers.channel import serve_channel, setup_channels
 from workers.engine.params import SamplingParams

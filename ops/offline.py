@@ -8,7 +8,7 @@ import click
 import torch
 from rich.console import Console
 
-from gateway.tokenizer import ChatTemplateError, TextTokenizer
+from gateway.openai.tokenizer import ChatTemplateError, TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder

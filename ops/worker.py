@@ -5,8 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 from rich.console import Console
 
-from gateway.startup_heap import frozen_startup_heap
 from ops.offline import engine_config, load_named_model
+from ops.startup_heap import frozen_startup_heap
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
 from workers.server import create_worker_app

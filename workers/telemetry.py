@@ -1,9 +1,9 @@
 """OpenTelemetry plumbing of the workers side: tracing settings, a process's tracer provider (the
 dashboard's ring buffer of finished spans, OTLP/HTTP export when set, the W3C propagator).
 
-The same code lives in `gateway/telemetry.py`: the import rules keep `gateway/` and `workers/` apart
+The same code lives in `gateway/observability/telemetry.py`: the import rules keep `gateway/` and `workers/` apart
 (neither imports the other) and the top-level layout is fixed, so each side owns a copy;
-tests/unit/test_telemetry_copies.py checks that the two copies stay identical below this docstring.
+tests/unit/gateway/test_telemetry_copies.py checks that the two copies stay identical below this docstring.
 Nothing is global: each app gets its own provider (tests build several in one process). Creating
 the exporter connects to nothing; spans are sent from the batch processor's thread.
 """

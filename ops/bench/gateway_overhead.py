@@ -22,7 +22,7 @@ last byte.
 The gateway's auth cache (TTL 5 s by default) expires during every run, as it would in production.
 No process of the setup has a garbage collection inside a measured window that it can avoid: the
 load generator turns its collector off during each run, and the gateway and the fake worker freeze
-their start-up heap (`gateway.startup_heap`), so a full collection there is short.
+their start-up heap (`ops.startup_heap`), so a full collection there is short.
 
 On a small machine (e.g. 2 cores) the load generator, the gateway and the fake worker share the
 cores, so the gateway's measured requests/s is a lower bound. The honest per-request cost is the

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.dashboard_render import SERVICE_COLOURS
+from gateway.observability.dashboard_render import SERVICE_COLOURS
 from tests.e2e.test_report_browser import ARTIFACTS, CHROMIUM, FLAGS, colour_count, png_pixels, pytestmark
-from tests.unit.test_dashboard import ADMIN_KEY, Dom
-from tests.unit.test_tracing import Traced, start, streamed_chat
+from tests.unit.gateway.test_dashboard import ADMIN_KEY, Dom
+from tests.unit.gateway.test_tracing import Traced, start, streamed_chat
 from workers.models.loader import LoadedModel, load_model
 
 pytestmark = [pytestmark, pytest.mark.asyncio]  # skips without Chromium, like the report's browser test

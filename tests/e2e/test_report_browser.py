@@ -22,7 +22,7 @@ from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.report_render import COLOURS, to_html
 from accounting.reports import usage_report
 from tests.conftest import REPO_ROOT
-from tests.unit.test_billing import MONTH, seed
+from tests.unit.accounting.test_billing import MONTH, seed
 
 CHROMIUM = Path(os.environ.get("TOLLWAY_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = REPO_ROOT / "tests" / "artifacts"

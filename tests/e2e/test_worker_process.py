@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.tokenizer import TextTokenizer
+from gateway.openai.tokenizer import TextTokenizer
 from tests.e2e.test_generate_cli import tollway_executable
 from tests.net import free_port
 from workers.models.tokenizer import tokenizer_payload

@@ -10,8 +10,8 @@ import pytest
 
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.tenants import create_key, create_tenant, revoke_key
-from gateway.auth import KeyCache, listen_for_invalidations, publish_invalidation
-from gateway.errors import ApiError
+from gateway.api.errors import ApiError
+from gateway.auth.keys import KeyCache, listen_for_invalidations, publish_invalidation
 
 pytestmark = pytest.mark.services
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.tokenizer import TextTokenizer
+from gateway.openai.tokenizer import TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.models.loader import LoadedModel, load_model

@@ -16,9 +16,9 @@ import pytest
 import pytest_asyncio
 import redis as sync_redis
 
-from gateway.quota_local import LocalQuotaStore
-from gateway.quota_redis import FailoverQuotaStore, RedisQuotaStore
-from gateway.quotas import Limits, QuotaUnavailable
+from gateway.quotas.local import LocalQuotaStore
+from gateway.quotas.redis_store import FailoverQuotaStore, RedisQuotaStore
+from gateway.quotas.store import Limits, QuotaUnavailable
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.services
@@ -148,8 +148,8 @@ async def test_admissions_return_to_redis_by_themselves(redis_url: str, prefix: 
 
 WORKER = textwrap.dedent("""
     import asyncio, sys, uuid
-    from gateway.quota_redis import RedisQuotaStore
-    from gateway.quotas import Limits
+    from gateway.quotas.redis_store import RedisQuotaStore
+    from gateway.quotas.store import Limits
 
     async def main(url, prefix, mode):
         store = RedisQuotaStore(url, prefix)

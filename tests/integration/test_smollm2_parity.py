@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
-from gateway.tokenizer import TextTokenizer
+from gateway.openai.tokenizer import TextTokenizer
 from workers.generate import SamplingParams, generate
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload

@@ -21,7 +21,7 @@ import requests
 
 from accounting.db import create_db_engine, session_factory
 from accounting.tenants import create_key, revoke_key
-from gateway.auth import publish_invalidation
+from gateway.auth.keys import publish_invalidation
 from tests.reliability.services import start_redis
 from tests.reliability.stack import Cluster, chat_body, headers, make_tenants, sqlite_url
 

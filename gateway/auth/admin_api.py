@@ -1,0 +1,164 @@
+"""Admin API under /admin/v1 (admin key only): tenants and API keys.
+
+Views are thin: they validate JSON, call `accounting.tenants` in a worker thread (the caller owns
+the transaction: one commit per request) and map accounting errors to HTTP errors. Anything that
+can un-authorise a key (revoke, rotate, disable, quota change) drops the key cache here and on
+every replica through Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from aiohttp import web
+from sqlalchemy.orm import Session
+
+from accounting import tenants
+from gateway.api.body import read_json_object
+from gateway.api.errors import ApiError, invalid
+from gateway.api.transactions import in_transaction
+from gateway.auth.keys import check_admin, publish_invalidation
+from gateway.state import ADMIN_KEY, AUTH, SETTINGS
+
+T = TypeVar("T")
+QUOTAS = ("rpm", "tpm", "max_concurrent", "monthly_token_budget")
+
+
+async def _in_transaction(request: web.Request, work: Callable[[Session], T], *, invalidates: bool = False) -> T:
+    check_admin(request, request.app[ADMIN_KEY])
+    result = await in_transaction(request, work)
+    if invalidates:
+        request.app[AUTH].invalidate()
+        await asyncio.to_thread(publish_invalidation, request.app[SETTINGS].redis_url)
+    return result
+
+
+def _quota_updates(body: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(body) - {*QUOTAS, "disabled"}
+    if unknown:
+        raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    updates: dict[str, Any] = {}
+    for field in QUOTAS:
+        if field in body:  # JSON null removes the limit
+            updates[field] = tenants.UNLIMITED if body[field] is None else body[field]
+    if "disabled" in body:
+        if not isinstance(body["disabled"], bool):
+            raise invalid("'disabled' must be a boolean", "disabled")
+        updates["disabled"] = body["disabled"]
+    return updates
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    """List tenants with their quotas."""
+    rows = await _in_transaction(request, lambda s: [tenants.tenant_to_dict(t) for t in tenants.list_tenants(s)])
+    return web.json_response({"object": "list", "data": rows})
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    """Create a tenant: {name, rpm?, tpm?, max_concurrent?, monthly_token_budget?}."""
+    body = await read_json_object(request)
+    unknown = set(body) - {"name", *QUOTAS}
+    if unknown:
+        raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    quotas = {field: body.get(field) for field in QUOTAS}
+    row = await _in_transaction(
+        request, lambda s: tenants.tenant_to_dict(tenants.create_tenant(s, body.get("name"), **quotas)))
+    return web.json_response(row, status=201)
+
+
+async def get_tenant(request: web.Request) -> web.Response:
+    """One tenant."""
+    name = request.match_info["name"]
+    return web.json_response(await _in_transaction(request, lambda s: tenants.tenant_to_dict(tenants.get_tenant(s, name))))
+
+
+async def update_tenant(request: web.Request) -> web.Response:
+    """Change quotas (null = unlimited) or disable/enable: {rpm?, tpm?, ..., disabled?}."""
+    name, updates = request.match_info["name"], _quota_updates(await read_json_object(request))
+    row = await _in_transaction(
+        request, lambda s: tenants.tenant_to_dict(tenants.update_tenant(s, name, **updates)), invalidates=True)
+    return web.json_response(row)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    """List API keys (never the keys themselves), optionally ?tenant=NAME."""
+    tenant = request.query.get("tenant")
+    rows = await _in_transaction(request, lambda s: [tenants.key_to_dict(k) for k in tenants.list_keys(s, tenant)])
+    return web.json_response({"object": "list", "data": rows})
+
+
+def _expiry(body: dict[str, Any]) -> datetime | None:
+    days = body.get("expires_in_days")
+    if days is None:
+        return None
+    if isinstance(days, bool) or not isinstance(days, int | float) or days <= 0:
+        raise invalid("'expires_in_days' must be a positive number", "expires_in_days")
+    return datetime.now(UTC) + timedelta(days=days)
+
+
+async def create_key(request: web.Request) -> web.Response:
+    """Create a key for a tenant: {tenant, name?, expires_in_days?}. The key is in this answer only."""
+    body = await read_json_object(request)
+    tenant, name, expires_at = body.get("tenant"), body.get("name"), _expiry(body)
+    if not isinstance(tenant, str):
+        raise invalid("'tenant' (a tenant name) is required", "tenant")
+
+    def work(session: Session) -> dict[str, Any]:
+        key, plaintext = tenants.create_key(session, tenant, name=name, expires_at=expires_at)
+        return {**tenants.key_to_dict(key), "key": plaintext}
+
+    return web.json_response(await _in_transaction(request, work), status=201)
+
+
+def _key_id(request: web.Request) -> int:
+    try:
+        return int(request.match_info["key_id"])
+    except ValueError as exc:
+        raise ApiError(404, "no such API key", code="key_not_found") from exc
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    """Revoke a key at once, on every replica."""
+    key_id = _key_id(request)
+    row = await _in_transaction(request, lambda s: tenants.key_to_dict(tenants.revoke_key(s, key_id)), invalidates=True)
+    return web.json_response(row)
+
+
+async def rotate_key(request: web.Request) -> web.Response:
+    """Replace a key: {grace_seconds?=3600}; the old key keeps working for the grace period."""
+    key_id, body = _key_id(request), await read_json_object(request)
+    grace = body.get("grace_seconds", 3600)
+
+    def work(session: Session) -> dict[str, Any]:
+        key, plaintext = tenants.rotate_key(session, key_id, grace)
+        return {**tenants.key_to_dict(key), "key": plaintext}
+
+    return web.json_response(await _in_transaction(request, work, invalidates=True), status=201)
+
+
+def _admin_only(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """The admin key is checked before anything else: a tenant key gets a 401, never a 400 or a
+    404 that tells it about the body or the ids it sent."""
+
+    @functools.wraps(handler)
+    async def checked(request: web.Request) -> web.StreamResponse:
+        check_admin(request, request.app[ADMIN_KEY])
+        return await handler(request)
+
+    return checked
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/admin/v1/tenants", _admin_only(list_tenants))
+    router.add_post("/admin/v1/tenants", _admin_only(create_tenant))
+    router.add_get("/admin/v1/tenants/{name}", _admin_only(get_tenant))
+    router.add_patch("/admin/v1/tenants/{name}", _admin_only(update_tenant))
+    router.add_get("/admin/v1/keys", _admin_only(list_keys))
+    router.add_post("/admin/v1/keys", _admin_only(create_key))
+    router.add_post("/admin/v1/keys/{key_id}/revoke", _admin_only(revoke_key))
+    router.add_delete("/admin/v1/keys/{key_id}", _admin_only(revoke_key))
+    router.add_post("/admin/v1/keys/{key_id}/rotate", _admin_only(rotate_key))

@@ -1,0 +1,130 @@
+"""`/admin/dashboard`: the built-in dashboard (admin key), server-rendered by gateway/observability/dashboard_render.py.
+
+How a browser presents the admin key: `/admin/dashboard` without it shows a login form; posting
+the key (or opening `/admin/dashboard/login?key=…`, e.g. from a script: the key then sits in the
+browser's history, so prefer the form) sets an HttpOnly, SameSite=Strict cookie scoped to
+/admin/dashboard and redirects to the dashboard. The cookie holds an HMAC of the admin key, never
+the key, and stops working when the key changes; `POST /admin/dashboard/logout` clears it. A
+bearer admin key works too (`curl -H 'Authorization: Bearer …'`).
+
+What it shows: this gateway process's live traffic (gateway/observability/live_stats.py), every worker's state
+(from the pool's health polls), every tenant's usage this month (SQL), and recent traces as span
+waterfalls: this process's ring buffer of finished spans, joined with each worker's spans of the
+same traces (`GET /internal/traces`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from accounting import reports
+from accounting.prices import decimal_text
+from gateway.api.transactions import in_transaction
+from gateway.auth.keys import bearer_token
+from gateway.observability.dashboard_render import DashboardData, login_page, page, panel
+from gateway.observability.metrics import METRICS
+from gateway.observability.tracing import TRACING
+from gateway.state import ADMIN_KEY, POOL
+
+COOKIE = "tollway_dashboard"
+COOKIE_PATH = "/admin/dashboard"
+MAX_TRACES = 8
+HTML = "text/html"
+
+
+def session_token(admin_key: str) -> str:
+    return hmac.new(admin_key.encode(), b"tollway-dashboard-session-v1", hashlib.sha256).hexdigest()
+
+
+def authorized(request: web.Request) -> bool:
+    admin_key = request.app[ADMIN_KEY]
+    token = bearer_token(request)
+    if token is not None and hmac.compare_digest(token.encode(), admin_key.encode()):
+        return True
+    cookie = request.cookies.get(COOKIE, "")
+    return bool(cookie) and hmac.compare_digest(cookie.encode(), session_token(admin_key).encode())
+
+
+async def _traces(request: web.Request) -> list[list[dict[str, Any]]]:
+    recent = request.app[TRACING].recent
+    if recent is None:
+        return []
+    roots = recent.recent_roots(MAX_TRACES)
+    trace_ids = [root["trace_id"] for root in roots]
+    if not trace_ids:
+        return []
+    spans = recent.for_traces(trace_ids)
+    pool = request.app[POOL]
+    fetched = await asyncio.gather(*(pool.recent_spans(w.url, trace_ids) for w in pool.workers.values() if w.healthy))
+    spans += [span for worker_spans in fetched for span in worker_spans]
+    by_trace: dict[str, dict[str, dict[str, Any]]] = {}  # trace -> span id -> span (each span once)
+    for span in spans:
+        by_trace.setdefault(span["trace_id"], {})[span["span_id"]] = span
+    return [[root] + [s for s in by_trace[root["trace_id"]].values() if s["span_id"] != root["span_id"]]
+            for root in roots]
+
+
+def _tenant_rows(session: Any, month: str) -> list[dict[str, Any]]:
+    report = reports.usage_report(session, month)
+    return [{"tenant": r.tenant, "model": r.model, "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens,
+             "cost": decimal_text(r.cost) if r.cost is not None else "unpriced"} for r in report.rows]
+
+
+async def collect(request: web.Request) -> DashboardData:
+    app = request.app
+    live = app[METRICS].live
+    month = datetime.now(UTC).strftime("%Y-%m")
+    tenants = await in_transaction(request, lambda session: _tenant_rows(session, month))
+    workers = [{"url": w.url, "healthy": w.healthy, "model": w.model, "in_flight": w.in_flight, "info": w.info}
+               for w in app[POOL].workers.values()]
+    return DashboardData(live.window(60), live.window(300), live.requests_series(120), workers, month, tenants,
+                         await _traces(request), tracing_on=app[TRACING].tracer is not None)
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """The dashboard page (admin key: a login form sets a cookie; or a bearer header)."""
+    if not authorized(request):
+        return web.Response(text=login_page(), content_type=HTML, status=401)
+    return web.Response(text=page(await collect(request)), content_type=HTML,
+                        headers={"Cache-Control": "no-store"})
+
+
+async def dashboard_panel(request: web.Request) -> web.Response:
+    """The dashboard's live part as an HTML fragment (what the page's script refreshes)."""
+    if not authorized(request):
+        return web.Response(text="log in again", status=401)
+    return web.Response(text=panel(await collect(request)), content_type=HTML, headers={"Cache-Control": "no-store"})
+
+
+async def login(request: web.Request) -> web.Response:
+    """Check the admin key (form field or ?key=) and set the dashboard's session cookie."""
+    key = request.query.get("key") if request.method == "GET" else (await request.post()).get("key")
+    admin_key = request.app[ADMIN_KEY]
+    if not isinstance(key, str) or not hmac.compare_digest(key.strip().encode(), admin_key.encode()):
+        return web.Response(text=login_page("That is not the admin key."), content_type=HTML, status=401)
+    response = web.Response(status=303, headers={"Location": COOKIE_PATH})
+    response.set_cookie(COOKIE, session_token(admin_key), path=COOKIE_PATH, httponly=True, samesite="Strict",
+                        secure=request.secure)
+    return response
+
+
+async def logout(request: web.Request) -> web.Response:
+    """Forget the dashboard's session cookie."""
+    response = web.Response(status=303, headers={"Location": COOKIE_PATH})
+    response.del_cookie(COOKIE, path=COOKIE_PATH)
+    return response
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/admin/dashboard", dashboard)
+    router.add_get("/admin/dashboard/panel", dashboard_panel)
+    router.add_get("/admin/dashboard/login", login)
+    router.add_post("/admin/dashboard/login", login)
+    router.add_post("/admin/dashboard/logout", logout)

@@ -1,0 +1,144 @@
+"""OpenAI response objects built from worker deltas (pure functions, no I/O).
+
+A worker delta is `{index, token_ids, text, finish_reason[, logprobs, top_logprobs][, usage]}`:
+`logprobs[i]` is the chosen token's log-probability for `token_ids[i]` and `top_logprobs[i]` its
+alternatives as `[token_id, logprob]` pairs. Token ids become strings with the gateway's tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gateway.openai.tokenizer import TextTokenizer
+
+
+def usage_object(usage: dict[str, int]) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens` is always present."""
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
+
+
+def _token_text(tokenizer: TextTokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: TextTokenizer, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `logprobs.content` entries of one delta (chat format)."""
+    entries = []
+    tops = delta.get("top_logprobs") or [[] for _ in delta["token_ids"]]
+    for token_id, logprob, top in zip(delta["token_ids"], delta["logprobs"], tops, strict=True):
+        text = _token_text(tokenizer, token_id)
+        entries.append({
+            "token": text, "logprob": logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := _token_text(tokenizer, alt)), "logprob": lp, "bytes": list(t.encode())}
+                             for alt, lp in top],
+        })
+    return entries
+
+
+def completion_logprobs(tokenizer: TextTokenizer, delta: dict[str, Any], text_offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for one delta, offsets counted from `text_offset`."""
+    tokens = [_token_text(tokenizer, t) for t in delta["token_ids"]]
+    offsets, position = [], text_offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    tops = delta.get("top_logprobs") or [[] for _ in tokens]
+    return {"tokens": tokens, "token_logprobs": list(delta["logprobs"]),
+            "top_logprobs": [{_token_text(tokenizer, alt): lp for alt, lp in top} for top in tops],
+            "text_offset": offsets}
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (non-streamed responses and logprob offsets)."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    completion_logprobs: dict[str, list[Any]] = field(
+        default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+    text_len: int = 0
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns the deltas of one request into OpenAI chunks (streaming) or one final object."""
+
+    kind: Literal["chat", "completion"]
+    id: str
+    model: str
+    created: int
+    tokenizer: TextTokenizer
+    logprobs: bool
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+
+    def _choice(self, index: int) -> ChoiceState:
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = ChoiceState()
+        return state
+
+    def _logprobs_of(self, delta: dict[str, Any], state: ChoiceState) -> Any:
+        if not self.logprobs or delta.get("logprobs") is None:
+            return None
+        if self.kind == "chat":
+            content = chat_logprobs(self.tokenizer, delta)
+            state.chat_logprobs.extend(content)
+            return {"content": content}
+        part = completion_logprobs(self.tokenizer, delta, state.text_len)
+        for key, values in part.items():
+            state.completion_logprobs[key].extend(values)
+        return part
+
+    def absorb(self, delta: dict[str, Any]) -> Any:
+        """Record one delta; returns its logprobs object (or None) for a streamed chunk."""
+        state = self._choice(delta["index"])
+        logprobs = self._logprobs_of(delta, state)
+        state.text.append(delta["text"])
+        state.text_len += len(delta["text"])
+        if delta["finish_reason"] is not None:
+            state.finish_reason = delta["finish_reason"]
+        return logprobs
+
+    def _header(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant role."""
+        return {**self._header("chat.completion.chunk"),
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]}
+
+    def chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        logprobs = self.absorb(delta)
+        if self.kind == "chat":
+            body = {"content": delta["text"]} if delta["text"] else {}
+            choice = {"index": delta["index"], "delta": body, "logprobs": logprobs,
+                      "finish_reason": delta["finish_reason"]}
+            return {**self._header("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": delta["index"], "text": delta["text"], "logprobs": logprobs,
+                  "finish_reason": delta["finish_reason"]}
+        return {**self._header("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._header(name), "choices": [], "usage": usage_object(usage)}
+
+    def final(self, usage: dict[str, int]) -> dict[str, Any]:
+        choices = []
+        for index in sorted(self.choices):
+            state = self.choices[index]
+            text = "".join(state.text)
+            if self.kind == "chat":
+                logprobs = {"content": state.chat_logprobs} if self.logprobs else None
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+            else:
+                logprobs = state.completion_logprobs if self.logprobs else None
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason})
+        name = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._header(name), "choices": choices, "usage": usage_object(usage)}

@@ -1,0 +1,244 @@
+"""Carrying one admitted request to a worker and its answer back to the client, metered.
+
+An `Exchange` owns one request after admission: it opens a worker stream (trying other workers
+while nothing has been streamed), turns worker lines into OpenAI responses, and bills the request
+exactly once through its `RequestMeter`, durably before the client's final byte. Failure rules:
+- a non-streamed request whose worker is lost midway is retried elsewhere (nothing reached the
+  client; the lost attempt's tokens are not billed);
+- a stream whose worker is lost midway ends with an OpenAI error event, billed for what was
+  streamed (status `upstream_error`);
+- a client that hangs up before the end: the worker is told to cancel, its final line gives the
+  exact usage so far, billed with status `client_disconnected` (by a background task the app
+  owns and awaits at shutdown: aiohttp may cancel the handler itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.billing.idempotency import Claim
+from gateway.billing.meter import RequestMeter
+from gateway.observability.metrics import METRICS
+from gateway.observability.tracing import TRACING
+from gateway.openai.params import GenerationRequest
+from gateway.openai.responses import ResponseBuilder
+from gateway.state import BACKGROUND, POOL, ROUTER, SETTINGS, WRITER
+from gateway.upstream.pool import UpstreamBroken, UpstreamRejected, UpstreamUnavailable
+
+DONE = b"data: [DONE]\n\n"
+DRAIN_TIMEOUT_S = 10.0
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Lines = AsyncIterator[dict[str, Any]]
+
+
+class DetachedStream:
+    """A worker stream read by its own task, so cancelling the request's handler (aiohttp does when
+    the client hangs up) does not close the worker connection: whoever bills the request can still
+    read on to the final line. Iterate it; `aclose()` closes the worker connection."""
+
+    def __init__(self, lines: Lines) -> None:
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump(lines))
+
+    async def _pump(self, lines: Lines) -> None:
+        try:
+            async for line in lines:
+                self._queue.put_nowait(("line", line))
+            self._queue.put_nowait(("end", None))
+        except Exception as exc:  # handed to the reader, raised there
+            self._queue.put_nowait(("error", exc))
+        finally:
+            await lines.aclose()
+
+    def __aiter__(self) -> DetachedStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        kind, value = await self._queue.get()
+        if kind == "line":
+            return value
+        self._queue.put_nowait((kind, value))  # the end (or error) stays visible to later reads
+        if kind == "end":
+            raise StopAsyncIteration
+        raise value
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _failed(line: dict[str, Any]) -> bool:
+    return line.get("finish_reason") in ("error", "abort")
+
+
+@dataclass
+class Exchange:
+    request: web.Request
+    params: GenerationRequest
+    model: str
+    namespace: str
+    prompt: list[int]
+    body: dict[str, Any]  # what the worker gets
+    builder: ResponseBuilder
+    meter: RequestMeter
+    claim: Claim | None
+    tenant: str = "-"  # the metrics' tenant label
+
+    async def open(self) -> tuple[str, dict[str, Any], DetachedStream]:
+        """(worker url, first line, the rest): tries other workers until one starts streaming."""
+        app = self.request.app
+        pool, router = app[POOL], app[ROUTER]
+        tried: set[str] = set()
+        for _ in range(app[SETTINGS].max_attempts):
+            loads = pool.loads(self.model, exclude=tried)
+            if not loads:
+                break
+            with app[TRACING].span("gateway.route", {"tollway.route.candidates": len(loads)}) as span:
+                url = router.choose(self.namespace, self.prompt, loads)
+                if span is not None:
+                    span.set_attribute("tollway.worker.url", url)
+            lines = DetachedStream(pool.stream(url, self.body))
+            try:
+                return url, await anext(lines), lines
+            except UpstreamUnavailable:
+                tried.add(url)
+                router.forget_worker(url)
+            except UpstreamRejected as exc:
+                raise ApiError(400, exc.message) from exc
+            except StopAsyncIteration:
+                tried.add(url)
+            except asyncio.CancelledError:  # the client left before the first token: stop and bill
+                self._hand_off(url, lines)
+                raise
+            await lines.aclose()
+        raise ApiError(503, f"no engine worker for '{self.model}' could take the request; retry shortly",
+                       code="no_worker", headers={"Retry-After": "1"})
+
+    async def _bill(self, status: str, response: tuple[int, str, bytes] | None = None) -> None:
+        app = self.request.app
+        with app[TRACING].span("gateway.metering.commit", {"tollway.usage.status": status}):
+            await self.meter.finish(app[WRITER], status, self.claim if response else None, response)
+        meter = self.meter
+        app[METRICS].billed(self.tenant, self.model, meter.usage_so_far(), meter.ttft_s(), meter.inter_token_s())
+
+    # -- non-streamed -------------------------------------------------------------------------------
+    async def respond_json(self) -> web.Response:
+        for _ in range(self.request.app[SETTINGS].max_attempts):
+            url, first, lines = await self.open()
+            try:
+                return await self._collect(url, first, lines)
+            except UpstreamBroken:  # nothing reached the client: start over on another worker
+                self.builder.choices.clear()
+                self.meter.restart()
+        raise ApiError(502, "engine workers failed mid-request on every attempt; retry later", code="worker_failed")
+
+    async def _collect(self, url: str, first: dict[str, Any], lines: DetachedStream) -> web.Response:
+        line: dict[str, Any] | None = first
+        handed_off = False
+        try:
+            while line is not None:
+                self.meter.observe(line)
+                if _failed(line):
+                    await self._bill("upstream_error")
+                    raise ApiError(502, "the engine failed while generating; retry the request", code="engine_error")
+                self.builder.absorb(line)
+                if "usage" in line:
+                    body = orjson.dumps(self.builder.final(line["usage"]))
+                    await self._bill("ok", (200, "application/json", body))
+                    return web.Response(body=body, content_type="application/json")
+                line = await anext(lines, None)
+        except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
+            handed_off = self._hand_off(url, lines)
+            raise
+        finally:
+            if not handed_off:
+                await lines.aclose()
+        raise UpstreamBroken("the engine worker ended the request without a result")
+
+    # -- streamed -------------------------------------------------------------------------------------
+    async def respond_stream(self) -> web.StreamResponse:
+        url, first, lines = await self.open()
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(self.request)
+        transcript: list[bytes] = []  # what the client got: stored for Idempotency-Key replays
+        opened: set[int] = set()
+        line: dict[str, Any] | None = first
+        handed_off = False
+        try:
+            while line is not None:
+                self.meter.observe(line)
+                if _failed(line):
+                    raise UpstreamBroken("the engine failed while generating")
+                index = line["index"]
+                chunk = b""
+                if self.builder.kind == "chat" and index not in opened:
+                    opened.add(index)
+                    chunk += sse(self.builder.role_chunk(index))
+                chunk += sse(self.builder.chunk(line))
+                if "usage" in line:
+                    if self.params.include_usage:
+                        chunk += sse(self.builder.usage_chunk(line["usage"]))
+                    chunk += DONE
+                    transcript.append(chunk)
+                    # Billed (with its stored response) before the client can see the end.
+                    await self._bill("ok", (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))
+                    await response.write(chunk)
+                    break
+                transcript.append(chunk)
+                await response.write(chunk)
+                line = await anext(lines, None)
+            else:
+                raise UpstreamBroken("the engine worker ended the stream early")
+        except UpstreamBroken as exc:
+            await self._bill("upstream_error")
+            error = ApiError(502, f"the engine worker failed mid-stream: {exc}", code="worker_failed")
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(sse(error.body()))
+        except ConnectionResetError:  # the client hung up, seen on a write
+            handed_off = self._hand_off(url, lines)
+            return response
+        except asyncio.CancelledError:  # the client hung up, and aiohttp cancels the handler
+            handed_off = self._hand_off(url, lines)
+            raise
+        finally:
+            if not handed_off:
+                await lines.aclose()
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof()
+        return response
+
+    def _hand_off(self, url: str, lines: DetachedStream) -> bool:
+        """The client is gone: a background task (owned by the app) now owns `lines` and bills."""
+        tasks = self.request.app[BACKGROUND]
+        task = asyncio.get_running_loop().create_task(self._after_hangup(url, lines))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return True
+
+    async def _after_hangup(self, url: str, lines: DetachedStream) -> None:
+        """Ask the worker to stop, read on to its final line (the exact usage), bill the request."""
+        try:
+            await self.request.app[POOL].cancel(url, self.body["request_id"])
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                async for line in lines:
+                    self.meter.observe(line)
+                    if "usage" in line:
+                        break
+        except (TimeoutError, UpstreamBroken):
+            pass  # billed from the tokens received so far
+        finally:
+            await lines.aclose()
+        await self._bill("client_disconnected")

@@ -1,0 +1,193 @@
+"""The engine workers behind this gateway: health, load, models, and the stream of one request.
+
+Ownership: the pool owns one `WorkerState` per configured worker URL and the model catalog it
+learns from them (each model's context length and tokenizer, fetched once from a worker's
+`/internal/tokenizer`). A background task polls every worker's `/internal/info`; a worker that
+fails a poll or a request is out of rotation until a poll succeeds again. `in_flight` counts the
+gateway's own open requests to a worker (the router's load signal); only `stream()` changes it.
+Requests go over each worker's generate channel (gateway/upstream/channel.py), not one HTTP call each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
+
+from gateway.observability.telemetry import PROPAGATOR
+from gateway.openai.tokenizer import TextTokenizer
+from gateway.upstream.channel import ChannelClosed, ChannelRefused, WorkerChannel
+
+log = logging.getLogger("tollway.gateway")
+
+
+class UpstreamUnavailable(Exception):
+    """The worker could not be reached or refused before streaming anything: safe to retry elsewhere."""
+
+
+class UpstreamBroken(Exception):
+    """The worker failed after the stream began: the request cannot be retried transparently."""
+
+
+class UpstreamRejected(Exception):
+    """The worker answered 4xx: the request itself is bad (retrying elsewhere cannot help)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class WorkerState:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    model: str | None = None
+    last_error: str | None = None
+    info: dict[str, Any] | None = None  # the worker's last /internal/info (KV blocks, cache, queues)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    context_length: int
+    tokenizer: TextTokenizer
+
+
+class WorkerPool:
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, *, health_interval_s: float = 1.0,
+                 connect_timeout_s: float = 2.0, tracer: Tracer | None = None) -> None:
+        self.workers = {url.rstrip("/"): WorkerState(url.rstrip("/")) for url in urls}
+        self.models: dict[str, ModelEntry] = {}
+        self._session = session
+        self._health_interval_s = health_interval_s
+        # One generate channel per worker, shared by all of this gateway's requests to it.
+        self._channels = {url: WorkerChannel(url, session, connect_timeout_s) for url in self.workers}
+        self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
+        self._task: asyncio.Task[None] | None = None
+        self._tracer = tracer  # None: no span, no traceparent
+
+    async def start(self) -> None:
+        await self.poll_all()
+        self._task = asyncio.create_task(self._poll_forever(), name="tollway-worker-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await self.poll_all()
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(worker) for worker in self.workers.values()))
+
+    async def poll(self, worker: WorkerState) -> None:
+        """Refresh one worker's health and model; learn the model's tokenizer the first time."""
+        try:
+            async with self._session.get(f"{worker.url}/internal/info", timeout=self._poll_timeout) as response:
+                response.raise_for_status()
+                info = await response.json(loads=orjson.loads)
+            model = str(info["model"])
+            if model not in self.models:
+                async with self._session.get(f"{worker.url}/internal/tokenizer",
+                                             timeout=aiohttp.ClientTimeout(total=30)) as response:
+                    response.raise_for_status()
+                    payload = await response.json(loads=orjson.loads)
+                self.models[model] = ModelEntry(model, int(info["context_length"]), TextTokenizer.from_payload(payload))
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            self.mark_down(worker, f"health check failed: {exc!r}")
+            return
+        if not worker.healthy:
+            log.info("worker %s is up (model %s)", worker.url, model)
+        worker.healthy, worker.model, worker.last_error, worker.info = True, model, None, info
+
+    def mark_down(self, worker: WorkerState, reason: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s is out of rotation: %s", worker.url, reason)
+        worker.healthy, worker.last_error = False, reason
+
+    def loads(self, model: str, exclude: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
+        """In-flight counts of the healthy workers serving `model` (the router's candidates)."""
+        return {w.url: w.in_flight for w in self.workers.values()
+                if w.healthy and w.model == model and w.url not in exclude}
+
+    async def cancel(self, url: str, request_id: str) -> None:
+        """Ask a worker to stop a request; its stream then ends with the usage so far."""
+        try:
+            async with self._session.post(f"{url}/internal/requests/{request_id}/cancel",
+                                          timeout=self._poll_timeout) as response:
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not cancel %s on %s: %r", request_id, url, exc)
+
+    async def stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The worker's lines for one generate request, ending with the line carrying usage.
+
+        Raises UpstreamUnavailable (nothing streamed yet: retry elsewhere), UpstreamRejected (4xx),
+        or UpstreamBroken (the stream broke after it began). Closing the iterator early aborts the
+        request on the worker.
+        """
+        worker = self.workers[url]
+        headers: dict[str, str] = {}
+        span = None
+        if self._tracer is not None:  # the worker joins this trace through `traceparent`
+            span = self._tracer.start_span("gateway.worker.generate", kind=SpanKind.CLIENT, attributes={
+                "http.request.method": "POST", "server.address": url, "tollway.worker.url": url})
+            PROPAGATOR.inject(headers, context=set_span_in_context(span))
+        worker.in_flight += 1
+        try:
+            # aclosing: leaving early closes the worker's response now (which aborts the request there)
+            async with contextlib.aclosing(self._lines(worker, body, headers)) as lines:
+                async for line in lines:
+                    yield line
+        except (UpstreamUnavailable, UpstreamBroken, UpstreamRejected) as exc:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            worker.in_flight -= 1
+            if span is not None:
+                span.end()
+
+    async def _lines(self, worker: WorkerState, body: dict[str, Any],
+                     headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        started = False
+        try:
+            # aclosing: leaving early sends the worker an abort for this request
+            async with contextlib.aclosing(self._channels[worker.url].generate(body, headers)) as lines:
+                async for line in lines:
+                    started = True
+                    yield line
+                    if "usage" in line:
+                        return
+        except ChannelRefused as exc:
+            if 400 <= exc.status < 500:
+                raise UpstreamRejected(exc.status, exc.message) from exc
+            raise (UpstreamBroken if started else UpstreamUnavailable)(f"worker answered {exc.status}") from exc
+        except ChannelClosed as exc:
+            self.mark_down(worker, str(exc))
+            raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
+
+    async def recent_spans(self, url: str, trace_ids: list[str]) -> list[dict[str, Any]]:
+        """The worker's finished spans of these traces (its ring buffer); [] when it has none or fails."""
+        try:
+            async with self._session.get(f"{url}/internal/traces", params=[("trace_id", t) for t in trace_ids],
+                                         timeout=self._poll_timeout) as response:
+                if response.status != 200:
+                    return []
+                return list((await response.json(loads=orjson.loads))["spans"])
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError):
+            return []

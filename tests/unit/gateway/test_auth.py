@@ -1,0 +1,80 @@
+"""The gateway's key cache: one lookup per key however many requests wait, TTLs, invalidation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from accounting.db import create_db_engine, session_factory, upgrade_database
+from accounting.tenants import create_key, create_tenant, revoke_key
+from gateway.api.errors import ApiError
+from gateway.auth.keys import KeyCache, load_or_create_admin_key
+
+
+@pytest.fixture
+def sessions(tmp_path: Path):
+    engine = create_db_engine(f"sqlite:///{tmp_path}/t.db")
+    upgrade_database(engine)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def new_key(sessions) -> tuple[int, str]:
+    with sessions() as session, session.begin():
+        create_tenant(session, "acme")
+        row, key = create_key(session, "acme")
+        return row.id, key
+
+
+class CountingSessions:
+    def __init__(self, sessions) -> None:
+        self.sessions, self.calls, self.lock = sessions, 0, threading.Lock()
+
+    def __call__(self):
+        with self.lock:
+            self.calls += 1
+        return self.sessions()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_share_one_lookup(sessions) -> None:
+    _, key = new_key(sessions)
+    counting = CountingSessions(sessions)
+    cache = KeyCache(counting, ttl_s=60)
+    records = await asyncio.gather(*(cache.authenticate(key) for _ in range(50)))
+    assert counting.calls == 1 and {r.tenant_name for r in records} == {"acme"}
+    await cache.authenticate(key)
+    assert counting.calls == 1  # cached
+
+
+@pytest.mark.asyncio
+async def test_invalidation_makes_a_revocation_immediate(sessions) -> None:
+    key_id, key = new_key(sessions)
+    cache = KeyCache(sessions, ttl_s=60)
+    await cache.authenticate(key)
+    with sessions() as session, session.begin():
+        revoke_key(session, key_id)
+    await cache.authenticate(key)  # still cached: the TTL alone would let it through for a minute
+    cache.invalidate()
+    with pytest.raises(ApiError) as refused:
+        await cache.authenticate(key)
+    assert refused.value.status == 401
+
+
+@pytest.mark.asyncio
+async def test_missing_and_unknown_keys_are_401(sessions) -> None:
+    cache = KeyCache(sessions)
+    for key in (None, "", "tw-unknown"):
+        with pytest.raises(ApiError) as refused:
+            await cache.authenticate(key)
+        assert refused.value.status == 401
+
+
+def test_the_admin_key_is_generated_once_with_mode_600(tmp_path: Path) -> None:
+    key, path = load_or_create_admin_key(None, tmp_path)
+    assert path is not None and path.stat().st_mode & 0o777 == 0o600
+    assert load_or_create_admin_key(None, tmp_path) == (key, path)
+    assert load_or_create_admin_key("configured", tmp_path) == ("configured", None)
