@@ -19,14 +19,10 @@ from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.settings import AccountingSettings
 from accounting.usage_writer import UsageWriter
 from gateway.api.errors import error_middleware
-from gateway.api.openapi import build_openapi
-from gateway.auth import admin_api
-from gateway.auth.keys import KeyCache, listen_for_invalidations, load_or_create_admin_key
-from gateway.batches import api as batches_api
+from gateway.api.routes import setup_routes
+from gateway.auth.invalidation import listen_for_invalidations
+from gateway.auth.keys import KeyCache
 from gateway.batches.dispatch import setup_batches
-from gateway.billing import usage_api
-from gateway.files import api as files_api
-from gateway.observability import dashboard
 from gateway.observability.metrics import setup_metrics
 from gateway.observability.tracing import (
     TRACING,
@@ -35,7 +31,7 @@ from gateway.observability.tracing import (
     setup_tracing,
     tracing_middleware,
 )
-from gateway.openai import views as completions
+from gateway.quotas.admission import add_quota_headers
 from gateway.quotas.local import LocalQuotaStore
 from gateway.quotas.redis_store import FailoverQuotaStore, RedisQuotaStore
 from gateway.quotas.store import QuotaStore
@@ -43,6 +39,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
 from gateway.upstream.pool import WorkerPool
 from gateway.upstream.router import Router
+from workers.wire.files import load_or_create_admin_key
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 CleanupContext = Callable[[web.Application], AsyncIterator[None]]
@@ -97,7 +94,7 @@ def setup_quotas(app: web.Application) -> None:
         await store.close()
 
     app.cleanup_ctx.append(quotas)
-    app.on_response_prepare.append(completions.add_quota_headers)
+    app.on_response_prepare.append(add_quota_headers)
 
 
 def setup_metering(app: web.Application) -> None:
@@ -137,33 +134,6 @@ def setup_workers(app: web.Application) -> None:
         await session.close()
 
     app.cleanup_ctx.append(workers)
-
-
-async def healthz(request: web.Request) -> web.Response:
-    """Liveness of the gateway, with how many workers are in rotation."""
-    workers = request.app[POOL].workers.values()
-    return web.json_response({"status": "ok", "workers_healthy": sum(w.healthy for w in workers),
-                              "workers_total": len(workers)})
-
-
-async def openapi(request: web.Request) -> web.Response:
-    """This document: every route of the gateway."""
-    return web.json_response(build_openapi(request.app))
-
-
-def setup_routes(app: web.Application) -> None:
-    router = app.router
-    router.add_get("/healthz", healthz)
-    router.add_get("/openapi.json", openapi)
-    router.add_get("/v1/models", completions.list_models)
-    router.add_get("/v1/models/{model}", completions.get_model)
-    router.add_post("/v1/chat/completions", completions.chat_completions)
-    router.add_post("/v1/completions", completions.completions)
-    admin_api.add_routes(router)
-    usage_api.add_routes(router)
-    files_api.add_routes(router)
-    batches_api.add_routes(router)
-    dashboard.add_routes(router)
 
 
 def create_app(settings: GatewaySettings | None = None, *, migrate: bool = True,

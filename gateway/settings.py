@@ -7,11 +7,12 @@ from typing import Literal
 
 from pydantic_settings import SettingsConfigDict
 
-from gateway.observability.telemetry import TracingSettings
+from workers.wire.batches import broker_url
+from workers.wire.telemetry import TracingSettings
 
 
 class GatewaySettings(TracingSettings):
-    """Also the tracing settings (gateway/observability/telemetry.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
+    """Also the tracing settings (workers/wire/telemetry.py: TOLLWAY_TRACING, TOLLWAY_OTLP_ENDPOINT, ...)."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
@@ -60,12 +61,8 @@ class GatewaySettings(TracingSettings):
 
     @property
     def celery_broker_url(self) -> str:
-        """The broker batch jobs are queued on (workers/jobs/settings.py resolves it the same way)."""
-        if self.broker_url:
-            return self.broker_url
-        if self.redis_url:
-            return self.redis_url
-        return f"sqla+sqlite:///{self.home.resolve() / 'celery-broker.sqlite'}"
+        """The broker batch jobs are queued on (the rule every process shares: workers/wire/batches.py)."""
+        return broker_url(self.broker_url, self.redis_url, self.home)
 
     @property
     def workers(self) -> list[str]:

@@ -52,8 +52,8 @@ def _session(invalidates: bool = False) -> Iterator[Session]:
         with session_factory(engine).begin() as session:
             yield session
         if invalidates:
-            from gateway.auth.keys import publish_invalidation
             from gateway.settings import GatewaySettings
+            from workers.wire.key_events import publish_invalidation
 
             publish_invalidation(GatewaySettings().redis_url)
     except AccountingError as error:

@@ -1,6 +1,6 @@
 """A TEST DOUBLE of an engine worker, for gateway tests and benchmarks. It runs no model.
 
-It serves the same internal HTTP API as the real worker (`workers/server.py`), with the same
+It serves the same internal HTTP API as the real worker (`workers/server/app.py`), with the same
 request validation, 400 shape, NDJSON stream shape and `/internal/info` keys, but streams canned
 tokens at once (or every `delay_s`): token i of each choice has id i and text " tok{i}", the last
 one finishes with "length", and the request's last line adds usage (with `"stream": false`, one joined
@@ -33,10 +33,11 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ops.startup_heap import frozen_startup_heap
-from workers import protocol  # the real worker's request parsing: no torch, no model
-from workers.channel import serve_channel, setup_channels
-from workers.engine.params import SamplingParams
-from workers.metrics import WorkerMetrics, make_metrics
+from workers.server.channel import serve_channel, setup_channels
+from workers.server.errors import error
+from workers.server.metrics import WorkerMetrics, make_metrics
+from workers.wire import generate as protocol  # the real worker's request parsing: no torch, no model
+from workers.wire.sampling import SamplingParams
 
 SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -71,6 +72,11 @@ class FakeWorker:
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> choices
     cache: dict[str, dict[str, int]] = field(default_factory=dict)  # namespace -> stats, as the real info
     totals: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "cached": 0, "completion": 0})
+
+    def cancel(self, request_id: str) -> None:
+        """The `cancel` verb (HTTP route or channel frame): a running request ends with an abort line."""
+        if request_id in self.running:
+            self.cancelled.add(request_id)
 
     def info(self) -> dict[str, Any]:
         """The real worker's `/internal/info` keys, with plausible idle values."""
@@ -186,11 +192,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json(loads=orjson.loads)
     except (orjson.JSONDecodeError, UnicodeDecodeError):
-        return protocol.error(400, "the body is not valid JSON")
+        return error(400, "the body is not valid JSON")
     try:
         lines = _answer(request, body, request.headers)
     except protocol.BadRequest as exc:
-        return protocol.error(400, str(exc))
+        return error(400, str(exc))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         await response.prepare(request)
@@ -206,15 +212,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def channel(request: web.Request) -> web.WebSocketResponse:
-    """The generate channel (workers/channel.py), answered as `generate` answers."""
-    return await serve_channel(request, lambda body, headers: _answer(request, body, headers))
+    """The generate channel (workers/server/channel.py), answered as `generate` answers."""
+    worker = request.app[FAKE_WORKER_KEY]
+    return await serve_channel(request, lambda body, headers: _answer(request, body, headers), worker.cancel)
 
 
 async def cancel(request: web.Request) -> web.Response:
-    worker = request.app[FAKE_WORKER_KEY]
-    request_id = request.match_info["request_id"]
-    if request_id in worker.running:
-        worker.cancelled.add(request_id)
+    request.app[FAKE_WORKER_KEY].cancel(request.match_info["request_id"])
     return web.json_response({"status": "cancelling"}, status=202)
 
 

@@ -8,14 +8,14 @@ import click
 import torch
 from rich.console import Console
 
-from gateway.openai.tokenizer import ChatTemplateError, TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.precision import resolve_device, resolve_dtype
 from workers.settings import WorkerSettings
+from workers.wire.sampling import SamplingParams
+from workers.wire.tokenizer import ChatTemplateError, TextTokenizer
 
 
 def set_threads(num_threads: int) -> None:

@@ -173,8 +173,8 @@ def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> i
     """Prepare the state folder (database schema, admin key), then supervise until stopped."""
     from accounting.db import upgrade_database
     from accounting.settings import AccountingSettings
-    from gateway.auth.keys import load_or_create_admin_key
     from gateway.settings import GatewaySettings
+    from workers.wire.files import load_or_create_admin_key
 
     settings = GatewaySettings()
     home = settings.home.resolve()

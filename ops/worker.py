@@ -1,4 +1,4 @@
-"""`tollway worker`: one engine worker serving the internal HTTP API (workers/server.py)."""
+"""`tollway worker`: one engine worker serving the internal HTTP API (workers/server/app.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ops.offline import engine_config, load_named_model
 from ops.startup_heap import frozen_startup_heap
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
-from workers.server import create_worker_app
+from workers.server.app import create_worker_app
 from workers.settings import WorkerSettings
 from workers.tracing import worker_tracing
 

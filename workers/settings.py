@@ -7,11 +7,11 @@ from typing import Literal
 
 from pydantic_settings import SettingsConfigDict
 
-from workers.telemetry import TracingSettings
+from workers.wire.telemetry import TracingSettings
 
 
 class WorkerSettings(TracingSettings):
-    """Also the tracing settings (workers/telemetry.py)."""
+    """Also the tracing settings (workers/wire/telemetry.py)."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 

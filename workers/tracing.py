@@ -1,7 +1,7 @@
 """The engine side's tracing: a worker's (or batch runner's) tracer and its recent spans.
 
 Off unless TOLLWAY_TRACING or TOLLWAY_OTLP_ENDPOINT is set; then the worker continues the
-gateway's trace from the `traceparent` of each generate call (workers/server.py), and the engine
+gateway's trace from the `traceparent` of each generate call (workers/server/app.py), and the engine
 thread hangs its phase spans under it (workers/engine/phase_spans.py).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from workers.telemetry import RecentSpans, TracingSettings, build_tracer_provider
+from workers.wire.telemetry import RecentSpans, TracingSettings, build_tracer_provider
 
 
 @dataclass

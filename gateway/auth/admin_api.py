@@ -9,8 +9,7 @@ every replica through Redis.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -21,15 +20,15 @@ from accounting import tenants
 from gateway.api.body import read_json_object
 from gateway.api.errors import ApiError, invalid
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import check_admin, publish_invalidation
-from gateway.state import ADMIN_KEY, AUTH, SETTINGS
+from gateway.auth.guards import admin
+from gateway.state import AUTH, SETTINGS
+from workers.wire.key_events import publish_invalidation
 
 T = TypeVar("T")
 QUOTAS = ("rpm", "tpm", "max_concurrent", "monthly_token_budget")
 
 
 async def _in_transaction(request: web.Request, work: Callable[[Session], T], *, invalidates: bool = False) -> T:
-    check_admin(request, request.app[ADMIN_KEY])
     result = await in_transaction(request, work)
     if invalidates:
         request.app[AUTH].invalidate()
@@ -52,12 +51,14 @@ def _quota_updates(body: dict[str, Any]) -> dict[str, Any]:
     return updates
 
 
+@admin
 async def list_tenants(request: web.Request) -> web.Response:
     """List tenants with their quotas."""
     rows = await _in_transaction(request, lambda s: [tenants.tenant_to_dict(t) for t in tenants.list_tenants(s)])
     return web.json_response({"object": "list", "data": rows})
 
 
+@admin
 async def create_tenant(request: web.Request) -> web.Response:
     """Create a tenant: {name, rpm?, tpm?, max_concurrent?, monthly_token_budget?}."""
     body = await read_json_object(request)
@@ -70,12 +71,14 @@ async def create_tenant(request: web.Request) -> web.Response:
     return web.json_response(row, status=201)
 
 
+@admin
 async def get_tenant(request: web.Request) -> web.Response:
     """One tenant."""
     name = request.match_info["name"]
     return web.json_response(await _in_transaction(request, lambda s: tenants.tenant_to_dict(tenants.get_tenant(s, name))))
 
 
+@admin
 async def update_tenant(request: web.Request) -> web.Response:
     """Change quotas (null = unlimited) or disable/enable: {rpm?, tpm?, ..., disabled?}."""
     name, updates = request.match_info["name"], _quota_updates(await read_json_object(request))
@@ -84,6 +87,7 @@ async def update_tenant(request: web.Request) -> web.Response:
     return web.json_response(row)
 
 
+@admin
 async def list_keys(request: web.Request) -> web.Response:
     """List API keys (never the keys themselves), optionally ?tenant=NAME."""
     tenant = request.query.get("tenant")
@@ -100,6 +104,7 @@ def _expiry(body: dict[str, Any]) -> datetime | None:
     return datetime.now(UTC) + timedelta(days=days)
 
 
+@admin
 async def create_key(request: web.Request) -> web.Response:
     """Create a key for a tenant: {tenant, name?, expires_in_days?}. The key is in this answer only."""
     body = await read_json_object(request)
@@ -121,6 +126,7 @@ def _key_id(request: web.Request) -> int:
         raise ApiError(404, "no such API key", code="key_not_found") from exc
 
 
+@admin
 async def revoke_key(request: web.Request) -> web.Response:
     """Revoke a key at once, on every replica."""
     key_id = _key_id(request)
@@ -128,6 +134,7 @@ async def revoke_key(request: web.Request) -> web.Response:
     return web.json_response(row)
 
 
+@admin
 async def rotate_key(request: web.Request) -> web.Response:
     """Replace a key: {grace_seconds?=3600}; the old key keeps working for the grace period."""
     key_id, body = _key_id(request), await read_json_object(request)
@@ -140,25 +147,13 @@ async def rotate_key(request: web.Request) -> web.Response:
     return web.json_response(await _in_transaction(request, work, invalidates=True), status=201)
 
 
-def _admin_only(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    """The admin key is checked before anything else: a tenant key gets a 401, never a 400 or a
-    404 that tells it about the body or the ids it sent."""
-
-    @functools.wraps(handler)
-    async def checked(request: web.Request) -> web.StreamResponse:
-        check_admin(request, request.app[ADMIN_KEY])
-        return await handler(request)
-
-    return checked
-
-
 def add_routes(router: web.UrlDispatcher) -> None:
-    router.add_get("/admin/v1/tenants", _admin_only(list_tenants))
-    router.add_post("/admin/v1/tenants", _admin_only(create_tenant))
-    router.add_get("/admin/v1/tenants/{name}", _admin_only(get_tenant))
-    router.add_patch("/admin/v1/tenants/{name}", _admin_only(update_tenant))
-    router.add_get("/admin/v1/keys", _admin_only(list_keys))
-    router.add_post("/admin/v1/keys", _admin_only(create_key))
-    router.add_post("/admin/v1/keys/{key_id}/revoke", _admin_only(revoke_key))
-    router.add_delete("/admin/v1/keys/{key_id}", _admin_only(revoke_key))
-    router.add_post("/admin/v1/keys/{key_id}/rotate", _admin_only(rotate_key))
+    router.add_get("/admin/v1/tenants", list_tenants)
+    router.add_post("/admin/v1/tenants", create_tenant)
+    router.add_get("/admin/v1/tenants/{name}", get_tenant)
+    router.add_patch("/admin/v1/tenants/{name}", update_tenant)
+    router.add_get("/admin/v1/keys", list_keys)
+    router.add_post("/admin/v1/keys", create_key)
+    router.add_post("/admin/v1/keys/{key_id}/revoke", revoke_key)
+    router.add_delete("/admin/v1/keys/{key_id}", revoke_key)
+    router.add_post("/admin/v1/keys/{key_id}/rotate", rotate_key)

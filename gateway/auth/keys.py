@@ -1,4 +1,4 @@
-"""API-key authentication for tenants and the admin key.
+"""Tenant API keys: who a bearer key belongs to.
 
 Keys are looked up by their SHA-256 (never stored or logged in plaintext): a lookup goes to the
 database once, then sits in a short-TTL cache. Revocations reach every replica at once through a
@@ -10,15 +10,10 @@ checked on every request, from the cached record, so an expired key is refused t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
-import os
-import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 
 from aiohttp import web
 from sqlalchemy.exc import OperationalError
@@ -29,7 +24,6 @@ from accounting.tenants import AuthRecord, authenticate
 from gateway.api.errors import ApiError
 
 log = logging.getLogger("tollway.gateway")
-INVALIDATION_CHANNEL = "tollway:auth:invalidate"
 NEGATIVE_TTL_S = 1.0  # unknown keys are remembered briefly, so a new key works within a second
 
 
@@ -104,60 +98,3 @@ class KeyCache:
         if record is None or (record.expires_at is not None and record.expires_at <= datetime.now(UTC)):
             raise ApiError(401, "invalid, revoked or expired API key", code="invalid_api_key")
         return record
-
-
-async def listen_for_invalidations(redis_url: str, cache: KeyCache) -> None:
-    """Clear `cache` whenever any process publishes on the invalidation channel (runs until cancelled)."""
-    import redis.asyncio as redis
-
-    while True:
-        client = redis.from_url(redis_url)
-        try:
-            async with client.pubsub() as pubsub:
-                await pubsub.subscribe(INVALIDATION_CHANNEL)
-                cache.invalidate()  # anything may have changed while we were not listening
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        cache.invalidate()
-        except (OSError, redis.RedisError) as exc:
-            log.warning("auth invalidation channel lost (%r); retrying in 1 s", exc)
-            await asyncio.sleep(1.0)
-        finally:
-            with contextlib.suppress(Exception):
-                await client.aclose()
-
-
-def publish_invalidation(redis_url: str | None) -> None:
-    """Tell every gateway replica to drop cached keys (sync: for the CLI and admin views' threads)."""
-    if not redis_url:
-        return
-    import redis
-
-    try:
-        client = redis.from_url(redis_url, socket_timeout=2)
-        client.publish(INVALIDATION_CHANNEL, b"keys")
-        client.close()
-    except redis.RedisError as exc:
-        log.warning("could not publish key invalidation (%r); replicas catch up within their cache TTL", exc)
-
-
-def load_or_create_admin_key(configured: str | None, home: Path) -> tuple[str, Path | None]:
-    """The admin key: TOLLWAY_ADMIN_KEY, else `$TOLLWAY_HOME/admin.key` (created once, mode 600)."""
-    if configured:
-        return configured, None
-    path = home / "admin.key"
-    if not path.exists():
-        home.mkdir(parents=True, exist_ok=True)
-        key = "tw-admin-" + secrets.token_urlsafe(32)
-        with contextlib.suppress(FileExistsError):  # two processes racing: the first one wins
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(key + "\n")
-    return path.read_text().strip(), path
-
-
-def check_admin(request: web.Request, admin_key: str) -> None:
-    token = bearer_token(request)
-    if token is None or not hmac.compare_digest(token.encode(), admin_key.encode()):
-        raise ApiError(401, "admin routes need the admin key (TOLLWAY_ADMIN_KEY or $TOLLWAY_HOME/admin.key)",
-                       code="invalid_admin_key")

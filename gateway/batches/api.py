@@ -24,10 +24,10 @@ from accounting.file_store import MissingObjectError
 from gateway.api.body import query_int, read_json_object
 from gateway.api.errors import ApiError, invalid
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import bearer_token
+from gateway.auth.guards import CALLER, tenant
 from gateway.batches.dispatch import dispatch
 from gateway.files.api import file_store
-from gateway.state import AUTH, SETTINGS
+from gateway.state import SETTINGS
 
 
 def _string_field(body: dict[str, Any], name: str, required: bool = True) -> str | None:
@@ -56,21 +56,22 @@ async def _read_input(request: web.Request, tenant_id: int, file_id: str) -> Bat
         return exc
 
 
+@tenant
 async def create_batch(request: web.Request) -> web.Response:
     """Create a batch from an uploaded input file (purpose=batch)."""
-    record = await request.app[AUTH].authenticate(bearer_token(request))
+    caller = request[CALLER]
     body = await read_json_object(request)
     file_id = _string_field(body, "input_file_id")
     endpoint = _string_field(body, "endpoint")
     window = _string_field(body, "completion_window")
     assert file_id is not None and endpoint is not None and window is not None
-    parsed = await _read_input(request, record.tenant_id, file_id)
+    parsed = await _read_input(request, caller.tenant_id, file_id)
     limit = request.app[SETTINGS].max_queued_batch_tokens
 
     def work(session: Session) -> dict[str, Any]:
         try:
             batch = batches.create_batch(
-                session, tenant_id=record.tenant_id, key_id=record.key_id, input_file_id=file_id, endpoint=endpoint,
+                session, tenant_id=caller.tenant_id, key_id=caller.key_id, input_file_id=file_id, endpoint=endpoint,
                 completion_window=window, metadata=body.get("metadata"), parsed=parsed, max_queued_tokens=limit)
         except batches.QueuedTokensExceeded as exc:  # raised in here so the transaction rolls back
             raise ApiError(429, str(exc), code="queued_batch_tokens_exceeded", type="rate_limit_error",
@@ -83,14 +84,15 @@ async def create_batch(request: web.Request) -> web.Response:
     return web.json_response(created)
 
 
+@tenant
 async def list_batches(request: web.Request) -> web.Response:
     """List your tenant's batches, newest first (?limit= 1..100, default 20; ?after=BATCH_ID)."""
-    record = await request.app[AUTH].authenticate(bearer_token(request))
+    caller = request[CALLER]
     limit = query_int(request, "limit", batches.DEFAULT_LIST_LIMIT)
     after = request.query.get("after") or None
 
     def work(session: Session) -> tuple[list[dict[str, Any]], bool]:
-        rows, more = batches.list_batches(session, record.tenant_id, limit=limit, after=after)
+        rows, more = batches.list_batches(session, caller.tenant_id, limit=limit, after=after)
         usage = batches.batch_usage(session, [b.id for b in rows])
         return [batches.batch_to_dict(b, usage[b.id]) for b in rows], more
 
@@ -100,26 +102,28 @@ async def list_batches(request: web.Request) -> web.Response:
                               "last_id": data[-1]["id"] if data else None})
 
 
+@tenant
 async def retrieve_batch(request: web.Request) -> web.Response:
     """Retrieve one of your tenant's batches (status, request counts, file ids, usage)."""
-    record = await request.app[AUTH].authenticate(bearer_token(request))
+    caller = request[CALLER]
     batch_id = request.match_info["batch_id"]
 
     def work(session: Session) -> dict[str, Any]:
-        batch = batches.get_batch(session, record.tenant_id, batch_id)
+        batch = batches.get_batch(session, caller.tenant_id, batch_id)
         return batches.batch_to_dict(batch, batches.batch_usage(session, [batch.id])[batch.id])
 
     return web.json_response(await in_transaction(request, work, not_found_param="batch_id"))
 
 
+@tenant
 async def cancel_batch(request: web.Request) -> web.Response:
     """Cancel one of your tenant's batches: lines in flight finish, the rest do not run."""
-    record = await request.app[AUTH].authenticate(bearer_token(request))
+    caller = request[CALLER]
     batch_id = request.match_info["batch_id"]
 
     def work(session: Session) -> dict[str, Any]:
         try:
-            batch = batches.cancel_batch(session, record.tenant_id, batch_id)
+            batch = batches.cancel_batch(session, caller.tenant_id, batch_id)
         except batches.BatchStateError as exc:
             raise ApiError(409, str(exc), param="batch_id", code="batch_not_cancellable") from exc
         return batches.batch_to_dict(batch, batches.batch_usage(session, [batch.id])[batch.id])

@@ -14,11 +14,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from gateway.observability.telemetry import PROPAGATOR
+from workers.wire.batches import QUEUE, RUN_TASK
+from workers.wire.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.gateway")
-RUN_TASK = "tollway.batches.run"
-QUEUE = "tollway.batches"
 SEND_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
 
 

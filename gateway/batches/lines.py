@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session
 from accounting.models import Batch, Tenant
 from gateway.api.errors import ApiError
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import check_admin
+from gateway.auth.admin import check_admin
 from gateway.state import ADMIN_KEY
+from workers.wire.batches import BATCH_HEADER
 
-BATCH_HEADER = "X-Tollway-Batch-Id"
 RUNNING = ("in_progress", "cancelling")
 
 

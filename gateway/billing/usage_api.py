@@ -21,8 +21,7 @@ from accounting.tenants import AccountingError
 from gateway.api.body import read_json_object
 from gateway.api.errors import ApiError, invalid
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import bearer_token, check_admin
-from gateway.state import ADMIN_KEY, AUTH
+from gateway.auth.guards import CALLER, admin, tenant
 
 FORMATS = ("json", "csv", "html")
 PRICE_FIELDS = ("model", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "batch_discount",
@@ -62,38 +61,39 @@ async def _report_response(request: web.Request, tenant: str | None) -> web.Resp
     return web.Response(text=report_render.to_json(report), content_type="application/json")
 
 
+@admin
 async def admin_usage(request: web.Request) -> web.Response:
     """Usage report of a month (every tenant, or ?tenant=NAME) as json, csv or html."""
-    check_admin(request, request.app[ADMIN_KEY])
     return await _report_response(request, request.query.get("tenant") or None)
 
 
+@tenant
 async def tenant_usage(request: web.Request) -> web.Response:
     """Your tenant's usage report of a month (?month=YYYY-MM) as json, csv or html."""
-    record = await request.app[AUTH].authenticate(bearer_token(request))
+    caller = request[CALLER]
     asked = request.query.get("tenant")
     # The tenant comes from the key, only: naming any other tenant is refused outright.
-    if asked is not None and asked != record.tenant_name:
+    if asked is not None and asked != caller.tenant_name:
         raise ApiError(403, "an API key can only read its own tenant's usage", param="tenant",
                        code="forbidden_tenant")
-    return await _report_response(request, record.tenant_name)
+    return await _report_response(request, caller.tenant_name)
 
 
+@admin
 async def list_prices(request: web.Request) -> web.Response:
     """List model prices per 1M tokens with their periods, optionally ?model=M."""
-    check_admin(request, request.app[ADMIN_KEY])
     model = request.query.get("model")
     rows = await in_transaction(request, lambda s: [prices.price_to_dict(p) for p in prices.list_prices(s, model)])
     return web.json_response({"object": "list", "data": rows})
 
 
+@admin
 async def set_price(request: web.Request) -> web.Response:
     """Set a model's prices per 1M tokens; the previous price ends where this one starts.
 
     Body: {model, input_per_mtok, cached_input_per_mtok, output_per_mtok, batch_discount?=0,
     effective_from?=now}; prices as decimal strings (exact) or JSON numbers, effective_from ISO 8601.
     """
-    check_admin(request, request.app[ADMIN_KEY])
     body = await read_json_object(request)
     unknown = set(body) - set(PRICE_FIELDS)
     if unknown:

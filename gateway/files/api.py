@@ -27,8 +27,8 @@ from accounting.file_store import FileStore, LocalFileStore
 from gateway.api.body import query_int
 from gateway.api.errors import ApiError, invalid
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import bearer_token
-from gateway.state import AUTH, SETTINGS
+from gateway.auth.guards import CALLER, tenant
+from gateway.state import SETTINGS
 
 MAX_FIELD_BYTES = 1024
 """Cap of the small form fields (`purpose`)."""
@@ -45,10 +45,6 @@ def file_store(app: web.Application) -> FileStore:
     """
     store = app.get(FILE_STORE)
     return store if store is not None else LocalFileStore(app[SETTINGS].home / "files")
-
-
-async def _tenant_id(request: web.Request) -> int:
-    return (await request.app[AUTH].authenticate(bearer_token(request))).tenant_id
 
 
 async def _read_part(part: BodyPartReader, limit: int, name: str) -> bytes:
@@ -92,9 +88,10 @@ async def _read_upload(request: web.Request) -> tuple[str, str, bytes]:
     return filename, purpose.strip(), data
 
 
+@tenant
 async def upload_file(request: web.Request) -> web.Response:
     """Upload a file (multipart: file, purpose=batch); batch input files are validated line by line."""
-    tenant_id = await _tenant_id(request)
+    tenant_id = request[CALLER].tenant_id
     filename, purpose, data = await _read_upload(request)
     if purpose not in files.USER_PURPOSES:
         raise invalid(f"purpose must be one of {', '.join(files.USER_PURPOSES)}, got {purpose!r}", "purpose")
@@ -123,9 +120,10 @@ async def upload_file(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@tenant
 async def list_files(request: web.Request) -> web.Response:
     """List your tenant's files, newest first (?purpose=, ?limit=, ?after=FILE_ID, ?order=asc|desc)."""
-    tenant_id = await _tenant_id(request)
+    tenant_id = request[CALLER].tenant_id
     purpose = request.query.get("purpose") or None
     limit = query_int(request, "limit", files.MAX_LIST_LIMIT)
     after = request.query.get("after") or None
@@ -141,18 +139,20 @@ async def list_files(request: web.Request) -> web.Response:
                               "last_id": data[-1]["id"] if data else None})
 
 
+@tenant
 async def retrieve_file(request: web.Request) -> web.Response:
     """Retrieve one of your tenant's files (its metadata)."""
-    tenant_id = await _tenant_id(request)
+    tenant_id = request[CALLER].tenant_id
     file_id = request.match_info["file_id"]
     row = await in_transaction(request, lambda s: files.file_to_dict(files.get_file(s, tenant_id, file_id)),
                                not_found_param="file_id")
     return web.json_response(row)
 
 
+@tenant
 async def file_content(request: web.Request) -> web.Response:
     """Download the bytes of one of your tenant's files."""
-    tenant_id = await _tenant_id(request)
+    tenant_id = request[CALLER].tenant_id
     file_id = request.match_info["file_id"]
     store = file_store(request.app)
     data = await in_transaction(request, lambda s: files.read_file_content(s, store, tenant_id, file_id),
@@ -160,9 +160,10 @@ async def file_content(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/octet-stream")
 
 
+@tenant
 async def delete_file(request: web.Request) -> web.Response:
     """Delete one of your tenant's files (its bytes are removed; the record is kept, marked deleted)."""
-    tenant_id = await _tenant_id(request)
+    tenant_id = request[CALLER].tenant_id
     file_id = request.match_info["file_id"]
     row = await in_transaction(request, lambda s: files.delete_file(s, tenant_id, file_id),
                                not_found_param="file_id")

@@ -16,8 +16,6 @@ same traces (`GET /internal/traces`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,29 +24,16 @@ from aiohttp import web
 from accounting import reports
 from accounting.prices import decimal_text
 from gateway.api.transactions import in_transaction
-from gateway.auth.keys import bearer_token
+from gateway.auth.admin import is_admin_key
+from gateway.auth.dashboard_session import COOKIE_PATH, end_session, start_session
+from gateway.auth.guards import admin_page
 from gateway.observability.dashboard_render import DashboardData, login_page, page, panel
 from gateway.observability.metrics import METRICS
 from gateway.observability.tracing import TRACING
 from gateway.state import ADMIN_KEY, POOL
 
-COOKIE = "tollway_dashboard"
-COOKIE_PATH = "/admin/dashboard"
 MAX_TRACES = 8
 HTML = "text/html"
-
-
-def session_token(admin_key: str) -> str:
-    return hmac.new(admin_key.encode(), b"tollway-dashboard-session-v1", hashlib.sha256).hexdigest()
-
-
-def authorized(request: web.Request) -> bool:
-    admin_key = request.app[ADMIN_KEY]
-    token = bearer_token(request)
-    if token is not None and hmac.compare_digest(token.encode(), admin_key.encode()):
-        return True
-    cookie = request.cookies.get(COOKIE, "")
-    return bool(cookie) and hmac.compare_digest(cookie.encode(), session_token(admin_key).encode())
 
 
 async def _traces(request: web.Request) -> list[list[dict[str, Any]]]:
@@ -88,18 +73,24 @@ async def collect(request: web.Request) -> DashboardData:
                          await _traces(request), tracing_on=app[TRACING].tracer is not None)
 
 
-async def dashboard(request: web.Request) -> web.Response:
+def _login_form() -> web.Response:
+    return web.Response(text=login_page(), content_type=HTML, status=401)
+
+
+def _log_in_again() -> web.Response:
+    return web.Response(text="log in again", status=401)
+
+
+@admin_page(_login_form)
+async def dashboard(request: web.Request) -> web.StreamResponse:
     """The dashboard page (admin key: a login form sets a cookie; or a bearer header)."""
-    if not authorized(request):
-        return web.Response(text=login_page(), content_type=HTML, status=401)
     return web.Response(text=page(await collect(request)), content_type=HTML,
                         headers={"Cache-Control": "no-store"})
 
 
-async def dashboard_panel(request: web.Request) -> web.Response:
+@admin_page(_log_in_again)
+async def dashboard_panel(request: web.Request) -> web.StreamResponse:
     """The dashboard's live part as an HTML fragment (what the page's script refreshes)."""
-    if not authorized(request):
-        return web.Response(text="log in again", status=401)
     return web.Response(text=panel(await collect(request)), content_type=HTML, headers={"Cache-Control": "no-store"})
 
 
@@ -107,18 +98,17 @@ async def login(request: web.Request) -> web.Response:
     """Check the admin key (form field or ?key=) and set the dashboard's session cookie."""
     key = request.query.get("key") if request.method == "GET" else (await request.post()).get("key")
     admin_key = request.app[ADMIN_KEY]
-    if not isinstance(key, str) or not hmac.compare_digest(key.strip().encode(), admin_key.encode()):
+    if not isinstance(key, str) or not is_admin_key(key.strip(), admin_key):
         return web.Response(text=login_page("That is not the admin key."), content_type=HTML, status=401)
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
-    response.set_cookie(COOKIE, session_token(admin_key), path=COOKIE_PATH, httponly=True, samesite="Strict",
-                        secure=request.secure)
+    start_session(response, request, admin_key)
     return response
 
 
 async def logout(request: web.Request) -> web.Response:
     """Forget the dashboard's session cookie."""
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
-    response.del_cookie(COOKIE, path=COOKIE_PATH)
+    end_session(response)
     return response
 
 

@@ -23,9 +23,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from accounting.models import Batch
-from gateway.auth.keys import check_admin
+from gateway.auth.guards import admin
 from gateway.observability.live_stats import LiveStats
-from gateway.state import ADMIN_KEY, POOL, SESSIONS
+from gateway.state import POOL, SESSIONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -115,9 +115,9 @@ class StateCollector(Collector):
 STATE_COLLECTOR = web.AppKey("state_collector", StateCollector)
 
 
+@admin
 async def metrics_view(request: web.Request) -> web.Response:
     """Prometheus metrics of this gateway process (admin key as bearer)."""
-    check_admin(request, request.app[ADMIN_KEY])
     collector = request.app[STATE_COLLECTOR]
     if collector.batch_counts_stale():
         await asyncio.to_thread(collector.refresh_batches)

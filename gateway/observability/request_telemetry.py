@@ -9,7 +9,9 @@ the request itself, with its final status, once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,3 +97,25 @@ class RequestTelemetry:
         ttft = meter.ttft_s()
         if ttft is not None:
             self.span.set_attribute("tollway.ttft_ms", round(ttft * 1e3, 3))
+
+
+TELEMETRY = web.RequestKey("request_telemetry", RequestTelemetry)
+
+
+def observed(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+             ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Wrap a generation view: its `RequestTelemetry` (request[TELEMETRY]) sees every outcome,
+    refusals by the guard inside included, and reports once when the view ends."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        telemetry = request[TELEMETRY] = RequestTelemetry.start(request.app)
+        try:
+            return await handler(request)
+        except BaseException as exc:
+            telemetry.failed(exc)
+            raise
+        finally:
+            telemetry.finish()
+
+    return wrapped

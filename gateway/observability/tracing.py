@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from gateway.observability.telemetry import PROPAGATOR, RecentSpans, TracingSettings, build_tracer_provider
+from workers.wire.telemetry import PROPAGATOR, RecentSpans, TracingSettings, build_tracer_provider
 
 TRACED_PREFIXES = ("/v1/", "/admin/v1/")  # not /metrics, /healthz or the dashboard polling itself
 NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()

@@ -19,11 +19,14 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "best_of", "audio", "prediction")
 
 
+GenerationKind = Literal["chat", "completion"]
+
+
 @dataclass
 class GenerationRequest:
     """One validated `/v1/chat/completions` or `/v1/completions` request."""
 
-    kind: Literal["chat", "completion"]
+    kind: GenerationKind
     model: str
     messages: list[dict[str, str]] | None = None  # chat: roles and plain-text contents
     prompt_text: str | None = None  # completion given as text
@@ -165,7 +168,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise invalid("only response_format {'type': 'text'} is supported", "response_format")
 
 
-def parse_request(kind: Literal["chat", "completion"], body: Any) -> GenerationRequest:
+def parse_request(kind: GenerationKind, body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = body.get("model")

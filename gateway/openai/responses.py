@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.openai.tokenizer import TextTokenizer
+from workers.wire.tokenizer import TextTokenizer
 
 
 def usage_object(usage: dict[str, int]) -> dict[str, Any]:

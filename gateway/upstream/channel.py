@@ -1,5 +1,5 @@
-"""The gateway's end of a worker's generate channel (workers/channel.py): one websocket per worker,
-many requests on it at once.
+"""The gateway's end of a worker's generate channel (frames: workers/wire/channel.py): one websocket
+per worker, many requests on it at once.
 
 Ownership: a `WorkerChannel` belongs to the pool's entry for one worker URL. It opens its
 connection on first use (concurrent first callers share the attempt) and again after the worker
@@ -16,9 +16,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import orjson
 
-MAX_FRAME_BYTES = 64 * 2**20  # a joined answer holds a whole completion
+from workers.wire.channel import (
+    MAX_FRAME_BYTES,
+    BadFrame,
+    CancelFrame,
+    ErrorFrame,
+    GenerateFrame,
+    LinesFrame,
+    decode_answer,
+)
+
 HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
 _CLOSED = object()  # put on each waiting queue when the connection ends
 
@@ -39,6 +47,7 @@ class _Connection:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
         self.waiting: dict[int, asyncio.Queue[Any]] = {}
+        self.channel_ids: dict[str, int] = {}  # request_id (the body's) -> its id on this connection
         self.reader = asyncio.create_task(self._read(), name="tollway-worker-channel")
 
     async def _read(self) -> None:
@@ -46,11 +55,11 @@ class _Connection:
             async for message in self.ws:
                 if message.type != aiohttp.WSMsgType.BINARY:
                     continue
-                frame = orjson.loads(message.data)
-                queue = self.waiting.get(frame.get("id"))
+                frame = decode_answer(message.data)
+                queue = self.waiting.get(frame.id)
                 if queue is not None:  # else a late frame of a request that was given up
                     queue.put_nowait(frame)
-        except (aiohttp.ClientError, orjson.JSONDecodeError, ConnectionError):
+        except (aiohttp.ClientError, BadFrame, ConnectionError):
             pass
         finally:
             for queue in self.waiting.values():
@@ -93,28 +102,46 @@ class WorkerChannel:
         request_id = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         connection.waiting[request_id] = queue
+        connection.channel_ids[body["request_id"]] = request_id
         finished = False
         try:
             try:
-                await connection.ws.send_bytes(orjson.dumps({"op": "generate", "id": request_id, "body": body,
-                                                             "headers": headers}))
+                await connection.ws.send_bytes(GenerateFrame(request_id, body, headers).encode())
             except (aiohttp.ClientError, ConnectionError) as exc:
                 raise ChannelClosed(f"cannot send to the worker: {exc!r}") from exc
             while not finished:
-                frame = await queue.get()
-                if frame is _CLOSED:
-                    raise ChannelClosed("the worker closed the channel")
-                if "error" in frame:
+                frame: LinesFrame | ErrorFrame | object = await queue.get()
+                if isinstance(frame, ErrorFrame):
                     finished = True
-                    raise ChannelRefused(int(frame["error"]["status"]), str(frame["error"]["message"]))
-                for line in frame["lines"]:
+                    raise ChannelRefused(frame.status, frame.message)
+                if not isinstance(frame, LinesFrame):
+                    raise ChannelClosed("the worker closed the channel")
+                for line in frame.lines:
                     finished = "usage" in line
                     yield line
         finally:
             connection.waiting.pop(request_id, None)
-            if not finished and connection.open:  # given up early: stop it on the worker
-                with contextlib.suppress(aiohttp.ClientError, ConnectionError):
-                    await connection.ws.send_bytes(orjson.dumps({"op": "abort", "id": request_id}))
+            connection.channel_ids.pop(body["request_id"], None)
+            if not finished:  # given up early: stop it on the worker (its late lines are dropped)
+                await self._send_cancel(connection, request_id)
+
+    async def cancel(self, request_id: str) -> bool:
+        """The `cancel` verb for a request running on this channel (by the body's `request_id`): its
+        answer then ends with an abort line carrying the usage so far. False when it is not here."""
+        connection = self._connection
+        if connection is None or request_id not in connection.channel_ids:
+            return False
+        return await self._send_cancel(connection, connection.channel_ids[request_id])
+
+    @staticmethod
+    async def _send_cancel(connection: _Connection, channel_id: int) -> bool:
+        if not connection.open:
+            return False
+        try:
+            await connection.ws.send_bytes(CancelFrame(channel_id).encode())
+        except (aiohttp.ClientError, ConnectionError):
+            return False
+        return True
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None

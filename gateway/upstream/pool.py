@@ -21,9 +21,9 @@ import aiohttp
 import orjson
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
-from gateway.observability.telemetry import PROPAGATOR
-from gateway.openai.tokenizer import TextTokenizer
 from gateway.upstream.channel import ChannelClosed, ChannelRefused, WorkerChannel
+from workers.wire.telemetry import PROPAGATOR
+from workers.wire.tokenizer import TextTokenizer
 
 log = logging.getLogger("tollway.gateway")
 
@@ -125,7 +125,10 @@ class WorkerPool:
                 if w.healthy and w.model == model and w.url not in exclude}
 
     async def cancel(self, url: str, request_id: str) -> None:
-        """Ask a worker to stop a request; its stream then ends with the usage so far."""
+        """The `cancel` verb: the worker stops the request and its stream ends with the usage so far.
+        Sent on the request's channel; over HTTP when the channel no longer carries it."""
+        if await self._channels[url].cancel(request_id):
+            return
         try:
             async with self._session.post(f"{url}/internal/requests/{request_id}/cancel",
                                           timeout=self._poll_timeout) as response:

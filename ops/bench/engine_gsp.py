@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.precision import DEVICE_CHOICES, resolve_device, resolve_dtype
+from workers.wire.sampling import SamplingParams
 
 KV_BUDGET = 2 * 2**30  # the engine's default: room for every sequence of the workloads at once
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.openai.tokenizer import TextTokenizer
 from tests.e2e.test_generate_cli import tollway_executable
 from tests.net import free_port
 from workers.models.tokenizer import tokenizer_payload
+from workers.wire.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,9 @@ import pytest
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.tenants import create_key, create_tenant, revoke_key
 from gateway.api.errors import ApiError
-from gateway.auth.keys import KeyCache, listen_for_invalidations, publish_invalidation
+from gateway.auth.invalidation import listen_for_invalidations
+from gateway.auth.keys import KeyCache
+from workers.wire.key_events import publish_invalidation
 
 pytestmark = pytest.mark.services
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.openai.tokenizer import TextTokenizer
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits
+from workers.wire.sampling import SamplingParams
+from workers.wire.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
-from gateway.openai.tokenizer import TextTokenizer
 from workers.generate import SamplingParams, generate
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits, run_step
+from workers.wire.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,9 @@ import requests
 
 from accounting.db import create_db_engine, session_factory
 from accounting.tenants import create_key, revoke_key
-from gateway.auth.keys import publish_invalidation
 from tests.reliability.services import start_redis
 from tests.reliability.stack import Cluster, chat_body, headers, make_tenants, sqlite_url
+from workers.wire.key_events import publish_invalidation
 
 pytestmark = [pytest.mark.reliability, pytest.mark.services]
 RPM = 12

@@ -9,7 +9,7 @@ import torch
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel, load_model
-from workers.server import create_worker_app
+from workers.server.app import create_worker_app
 
 
 @pytest.fixture(scope="module")

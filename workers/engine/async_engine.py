@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.engine.engine import Delta, Engine
-from workers.engine.params import SamplingParams
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
+from workers.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 INFO_INTERVAL_S = 0.25

@@ -17,13 +17,13 @@ from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.radix_tree import RadixPrefixTree
 from workers.engine.detokenize import OutputText
-from workers.engine.params import SamplingParams
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import sample
 from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel
+from workers.wire.sampling import SamplingParams
 
 
 @dataclass

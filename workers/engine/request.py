@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache.block_table import BlockTable
-from workers.engine.params import SamplingParams
+from workers.wire.sampling import SamplingParams
 
 
 class Priority(enum.IntEnum):

@@ -13,10 +13,7 @@ from __future__ import annotations
 from celery import Celery
 
 from workers.jobs.settings import JobSettings
-
-QUEUE = "tollway.batches"
-RUN_TASK = "tollway.batches.run"
-SWEEP_TASK = "tollway.batches.sweep"
+from workers.wire.batches import QUEUE, SWEEP_TASK
 
 
 def create_celery_app(settings: JobSettings | None = None) -> Celery:

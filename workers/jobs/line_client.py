@@ -20,7 +20,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-BATCH_HEADER = "X-Tollway-Batch-Id"
+from workers.wire.batches import BATCH_HEADER
+
 RETRYABLE_STATUSES = (429, 500, 502, 503, 504)
 """Answers worth another attempt (a 500/502/504 at most `MAX_ERROR_ATTEMPTS` times)."""
 MAX_ERROR_ATTEMPTS = 3

@@ -37,7 +37,7 @@ from accounting.batches import UNFINISHED, transition
 from accounting.file_store import FileStore, MissingObjectError
 from accounting.models import Batch, File, utcnow
 from workers.jobs.line_client import Unavailable, send_line
-from workers.telemetry import PROPAGATOR
+from workers.wire.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.jobs")
 T = TypeVar("T")

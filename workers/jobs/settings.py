@@ -7,11 +7,13 @@ from pathlib import Path
 
 from pydantic_settings import SettingsConfigDict
 
-from workers.telemetry import TracingSettings
+from workers.wire.batches import broker_url
+from workers.wire.files import read_admin_key
+from workers.wire.telemetry import TracingSettings
 
 
 class JobSettings(TracingSettings):
-    """Also the tracing settings (workers/telemetry.py): run tasks and batch lines become spans."""
+    """Also the tracing settings (workers/wire/telemetry.py): run tasks and batch lines become spans."""
 
     model_config = SettingsConfigDict(env_prefix="TOLLWAY_", extra="ignore")
 
@@ -39,21 +41,11 @@ class JobSettings(TracingSettings):
 
     @property
     def celery_broker_url(self) -> str:
-        """Resolved exactly as the gateway's `GatewaySettings.celery_broker_url`."""
-        if self.broker_url:
-            return self.broker_url
-        if self.redis_url:
-            return self.redis_url
-        return f"sqla+sqlite:///{self.home.resolve() / 'celery-broker.sqlite'}"
+        """The broker every process shares (workers/wire/batches.py)."""
+        return broker_url(self.broker_url, self.redis_url, self.home)
 
     def resolved_admin_key(self) -> str:
-        if self.admin_key:
-            return self.admin_key
-        path = self.home / "admin.key"
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError as exc:
-            raise RuntimeError(f"no admin key: set TOLLWAY_ADMIN_KEY or start the gateway once ({path})") from exc
+        return read_admin_key(self.admin_key, self.home)
 
 
 @functools.cache

@@ -28,11 +28,12 @@ from accounting import batch_runs
 from accounting.db import create_db_engine, session_factory
 from accounting.file_store import LocalFileStore
 from accounting.settings import AccountingSettings
-from workers.jobs.app import QUEUE, RUN_TASK, SWEEP_TASK, app
+from workers.jobs.app import app
 from workers.jobs.runner import BatchStep, RunnerConfig
 from workers.jobs.settings import job_settings
-from workers.telemetry import PROPAGATOR
 from workers.tracing import WorkerTracing, worker_tracing
+from workers.wire.batches import QUEUE, RUN_TASK, SWEEP_TASK
+from workers.wire.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.jobs")
 RETRY_LATER_S = 5.0

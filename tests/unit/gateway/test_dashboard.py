@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from gateway.observability.dashboard import COOKIE, session_token
+from gateway.auth.dashboard_session import COOKIE, session_token
 from tests.unit.gateway.test_tracing import Traced, start, streamed_chat
 
 pytestmark = pytest.mark.asyncio

@@ -14,7 +14,7 @@ from ops.fake_worker import FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import ADMIN, MODEL, chat, make_tenant_key
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
-from workers.server import create_worker_app
+from workers.server.app import create_worker_app
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -20,7 +20,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.app import create_app
-from gateway.observability.telemetry import RecentSpans
 from gateway.observability.tracing import GatewayTracing
 from gateway.settings import GatewaySettings
 from gateway.state import POOL
@@ -29,8 +28,9 @@ from tests.unit.gateway.test_gateway_api import make_tenant_key
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel
-from workers.server import create_worker_app
+from workers.server.app import create_worker_app
 from workers.tracing import WorkerTracing
+from workers.wire.telemetry import RecentSpans
 
 pytestmark = pytest.mark.asyncio
 PROMPT_TEXT = "w5 w6 w7 w8 w9 w10 w11 w12"

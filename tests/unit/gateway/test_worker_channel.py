@@ -1,4 +1,4 @@
-"""The generate channel (workers/channel.py, gateway/upstream/channel.py): many requests on one
+"""The generate channel (workers/server/channel.py, gateway/upstream/channel.py): many requests on one
 websocket, on a real aiohttp server and a tiny random-weight model; and the gateway's end of it."""
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ async def test_requests_share_one_channel_and_match_the_http_answer(worker) -> N
     assert seen[3] == [{"id": 3, "error": {"status": 400, "message": "priority must be 'interactive' or 'batch'"}}]
 
 
-async def test_abort_and_a_closed_channel_stop_their_requests(worker) -> None:
+async def test_cancel_and_a_closed_channel_stop_their_requests(worker) -> None:
     client, engine = worker
     async with client.ws_connect("/internal/channel") as ws:
         await ws.send_bytes(orjson.dumps({"op": "generate", "id": 7, "body": body("long", max_tokens=10_000)}))
         first = orjson.loads((await asyncio.wait_for(ws.receive(), 30)).data)
         assert first["id"] == 7 and first["lines"][0]["finish_reason"] is None
-        await ws.send_bytes(orjson.dumps({"op": "abort", "id": 7}))
+        await ws.send_bytes(orjson.dumps({"op": "cancel", "id": 7}))  # the cancel verb
         await ws.send_bytes(orjson.dumps({"op": "generate", "id": 8, "body": body("long2", max_tokens=10_000)}))
         for _ in range(200):
             if engine.info()["finished"].get("abort") == 1 and engine.info()["running"] == 1:

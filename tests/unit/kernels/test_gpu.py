@@ -15,8 +15,8 @@ from kernels import reference
 from kernels.dispatch import select_backend
 from tests.unit.kernels.test_kernels import FULL_GRID, make_case, tolerance
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.engine.request import FinishReason
+from workers.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda:0"

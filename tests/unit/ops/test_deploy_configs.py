@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.observability.metrics import GatewayMetrics, StateCollector
 from tests.conftest import REPO_ROOT
-from workers.metrics import make_metrics
+from workers.server.metrics import make_metrics
 
 DEPLOY = REPO_ROOT / "ops" / "deploy"
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")

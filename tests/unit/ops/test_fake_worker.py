@@ -14,7 +14,7 @@ from ops.fake_worker import FAKE_WORKER_KEY, FakeWorker, create_fake_worker_app
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel
-from workers.server import create_worker_app
+from workers.server.app import create_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
@@ -155,7 +155,7 @@ async def test_info_health_metrics_and_tokenizer_routes_match(real, fake) -> Non
 
 
 async def test_tokenizer_payload_works_in_the_gateway(aiohttp_client) -> None:
-    from gateway.openai.tokenizer import TextTokenizer
+    from workers.wire.tokenizer import TextTokenizer
 
     client = await aiohttp_client(create_fake_worker_app())
     payload = await (await client.get("/internal/tokenizer")).json()

@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import set_span_in_context
 
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.engine.phase_spans import TraceParent
 from workers.models.loader import LoadedModel
+from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(3, 43)) + list(range(50, 50 + n)) for n in (5, 17, 1, 30)]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.engine.request import FinishReason, Priority
 from workers.generate import SamplingParams as PlainParams
 from workers.generate import generate
 from workers.models.loader import LoadedModel, load_model
+from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

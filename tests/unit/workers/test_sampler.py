@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from workers.engine.detokenize import OutputText
-from workers.engine.params import SamplingParams
 from workers.engine.request import Sequence
 from workers.engine.sampler import apply_penalties, sample, truncate
+from workers.wire.sampling import SamplingParams
 
 VOCAB = 50
 

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.params import SamplingParams
 from workers.models.loader import LoadedModel
+from workers.wire.sampling import SamplingParams
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
@@ -165,7 +165,7 @@ async def test_an_engine_failure_ends_open_requests_with_error(worker, monkeypat
 
 
 async def test_tokenizer_files_let_the_gateway_tokenize_without_the_model(worker, tiny: LoadedModel) -> None:
-    from gateway.openai.tokenizer import TextTokenizer
+    from workers.wire.tokenizer import TextTokenizer
 
     client, _ = worker
     payload = await (await client.get("/internal/tokenizer")).json()

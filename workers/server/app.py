@@ -5,9 +5,9 @@ POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling
                          (index = choice, for n > 1); the request's last line adds usage
                          {prompt_tokens, cached_tokens, completion_tokens}. With "stream": false
                          the deltas come at the end, one joined line per choice plus `decode_s`
-                         (workers/protocol.py LineJoiner). A closed connection aborts the request.
+                         (workers/wire/generate.py LineJoiner). A closed connection aborts the request.
 GET  /internal/channel   a websocket carrying many generate requests at once, the same answers
-                         in frames (workers/channel.py): the gateway's transport to its workers
+                         in frames (workers/server/channel.py): the gateway's transport to its workers
 POST /internal/requests/{id}/cancel  stop a request; its stream ends with an "abort" line that
                          still carries usage (so a client that went away is billed exactly)
 GET  /internal/info      model, context length, block size, blocks, cache stats, queue lengths
@@ -15,7 +15,7 @@ GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes w
                          {model, tokenizer_json, tokenizer_config, chat_template}
 GET  /internal/traces?trace_id=…  this worker's finished spans of those traces (when tracing is on)
 GET  /healthz            liveness
-GET  /metrics            Prometheus text format (workers/metrics.py)
+GET  /metrics            Prometheus text format (workers/server/metrics.py)
 With tracing on, a generate call's `traceparent` header (or a channel frame's) makes its
 `worker.generate` span (and the engine's phase spans under it) part of the caller's trace.
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
@@ -35,15 +35,16 @@ from opentelemetry.trace import Span, SpanKind, set_span_in_context
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from workers.channel import serve_channel, setup_channels
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
-from workers.metrics import WorkerMetrics, make_metrics
 from workers.models.tokenizer import tokenizer_payload
-from workers.protocol import GenerateRequest, LineJoiner, error, ndjson, parse_generate
-from workers.telemetry import PROPAGATOR
+from workers.server.channel import serve_channel, setup_channels
+from workers.server.errors import error
+from workers.server.metrics import WorkerMetrics, make_metrics
 from workers.tracing import WorkerTracing
+from workers.wire.generate import GenerateRequest, LineJoiner, ndjson, parse_generate
+from workers.wire.telemetry import PROPAGATOR
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", WorkerMetrics)
@@ -170,8 +171,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def channel(request: web.Request) -> web.WebSocketResponse:
-    """Many generate requests over one websocket (the gateway's transport; workers/channel.py)."""
-    return await serve_channel(request, lambda body, headers: answer(request.app, body, headers))
+    """Many generate requests over one websocket (the gateway's transport; workers/server/channel.py)."""
+    engine = request.app[ENGINE_KEY]
+    return await serve_channel(request, lambda body, headers: answer(request.app, body, headers), engine.cancel)
 
 
 async def cancel(request: web.Request) -> web.Response:

@@ -1,20 +1,28 @@
-"""The worker's internal generate request as JSON: parsing and validation, and the joined answer
-of a non-streamed request (no torch).
+"""The generate request and its result lines: the JSON both transports carry (`POST
+/internal/generate` as NDJSON, the channel in frames), built by the gateway (`generate_body`),
+parsed and validated by the worker (`parse_generate`), and the joined answer of a non-streamed
+request (`LineJoiner`). No torch, no aiohttp.
 
-Shared by the real worker server (`workers/server.py`) and its test double (`ops/fake_worker.py`),
-so both refuse the same bodies with the same messages and answer in the same shape.
+The real worker server (`workers/server/app.py`) and its test double (`ops/fake_worker.py`) parse
+with the same code, so both refuse the same bodies with the same messages and answer in the same
+shape.
+
+A result line is `{index, token_ids, text, finish_reason[, logprobs, top_logprobs][, usage]}`:
+`index` is the choice (n > 1), `logprobs[i]` the chosen token's log-probability for
+`token_ids[i]` and `top_logprobs[i]` its alternatives as `[token_id, logprob]` pairs. The request's
+last line carries `usage` ({prompt_tokens, cached_tokens, completion_tokens}); a stopped request's
+last line has finish_reason `abort`, a failed engine's `error`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import orjson
-from aiohttp import web
 
-from workers.engine.params import SamplingParams
+from workers.wire.sampling import SamplingParams
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 TUPLE_FIELDS = {"stop", "stop_token_ids"}
@@ -25,8 +33,31 @@ class BadRequest(ValueError):
     """The caller's mistake: answered as a 400 with this message."""
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+Priority = Literal["interactive", "batch"]
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class GenerateBody(TypedDict):
+    """The JSON of one generate request (`sampling` holds SamplingParams' fields by name)."""
+
+    request_id: str
+    namespace: str  # the prefix-cache namespace: set by the gateway from the caller's key, never by clients
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    priority: Priority
+    stream: bool
+
+
+def generate_body(request_id: str, namespace: str, prompt: list[int], sampling: dict[str, Any],
+                  priority: Priority = "interactive", stream: bool = True) -> GenerateBody:
+    """The body the gateway sends (validated by the worker's `parse_generate`)."""
+    return {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
+            "sampling": sampling, "priority": priority, "stream": stream}
 
 
 @dataclass(frozen=True)

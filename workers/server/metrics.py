@@ -1,6 +1,6 @@
 """The worker's Prometheus metrics (`GET /metrics`): one registry per worker process.
 
-Counters of what the worker served are incremented as streams end (workers/server.py); the
+Counters of what the worker served are incremented as streams end (workers/server/app.py); the
 engine's state (queues, KV blocks, prefix-cache hits, preemptions) is read at scrape time from its
 last snapshot (`AsyncEngine.info()`, refreshed by the engine thread), so scraping never touches
 the engine itself. Each worker is its own scrape target; sum across `instance` for a deployment.

@@ -1,11 +1,11 @@
-"""OpenTelemetry plumbing of the gateway side: tracing settings, a process's tracer provider (the
-dashboard's ring buffer of finished spans, OTLP/HTTP export when set, the W3C propagator).
+"""OpenTelemetry plumbing of every tollway process: tracing settings, a process's tracer provider
+(the dashboard's ring buffer of finished spans, OTLP/HTTP export when set) and the W3C propagator
+that carries `traceparent` across every internal call, channel frame and batch task.
 
-The same code lives in `workers/telemetry.py`: the import rules keep `gateway/` and `workers/` apart
-(neither imports the other) and the top-level layout is fixed, so each side owns a copy;
-tests/unit/gateway/test_telemetry_copies.py checks that the two copies stay identical below this docstring.
-Nothing is global: each app gets its own provider (tests build several in one process). Creating
-the exporter connects to nothing; spans are sent from the batch processor's thread.
+One copy for both sides: the gateway imports it from here (workers.wire is the only part of
+`workers/` it may import). Nothing is global: each app gets its own provider (tests build several
+in one process). Creating the exporter connects to nothing; spans are sent from the batch
+processor's thread.
 """
 
 from __future__ import annotations

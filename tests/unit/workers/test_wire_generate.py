@@ -1,8 +1,8 @@
-"""The worker protocol's joined answer (workers/protocol.py LineJoiner), without a server."""
+"""The worker protocol's joined answer (workers/wire/generate.py LineJoiner), without a server."""
 
 from __future__ import annotations
 
-from workers.protocol import LineJoiner
+from workers.wire.generate import LineJoiner
 
 
 def test_line_joiner_joins_each_choice_and_puts_the_usage_line_last() -> None:

@@ -1,0 +1,54 @@
+"""Every route of the gateway, in one table; each view is guarded (gateway/auth/guards.py).
+
+| prefix          | who                       | where                                        |
+| --------------- | ------------------------- | -------------------------------------------- |
+| /v1/…completions| tenant key or batch line  | gateway/openai/views.py                      |
+| /v1/models      | tenant key                | gateway/openai/models.py                     |
+| /v1/files       | tenant key                | gateway/files/api.py                         |
+| /v1/batches     | tenant key                | gateway/batches/api.py                       |
+| /v1/usage       | tenant key                | gateway/billing/usage_api.py                 |
+| /admin/v1/…     | admin key                 | gateway/auth/admin_api.py, billing/usage_api |
+| /admin/dashboard| admin key or its cookie   | gateway/observability/dashboard.py           |
+| /metrics        | admin key                 | gateway/observability/metrics.py             |
+| /healthz, /openapi.json | anyone            | here                                         |
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.api.openapi import build_openapi
+from gateway.auth import admin_api
+from gateway.batches import api as batches_api
+from gateway.billing import usage_api
+from gateway.files import api as files_api
+from gateway.observability import dashboard
+from gateway.openai import models, views
+from gateway.state import POOL
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness of the gateway, with how many workers are in rotation."""
+    workers = request.app[POOL].workers.values()
+    return web.json_response({"status": "ok", "workers_healthy": sum(w.healthy for w in workers),
+                              "workers_total": len(workers)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """This document: every route of the gateway."""
+    return web.json_response(build_openapi(request.app))
+
+
+def setup_routes(app: web.Application) -> None:
+    router = app.router
+    router.add_get("/healthz", healthz)
+    router.add_get("/openapi.json", openapi)
+    router.add_get("/v1/models", models.list_models)
+    router.add_get("/v1/models/{model}", models.get_model)
+    router.add_post("/v1/chat/completions", views.chat_completions)
+    router.add_post("/v1/completions", views.completions)
+    admin_api.add_routes(router)
+    usage_api.add_routes(router)
+    files_api.add_routes(router)
+    batches_api.add_routes(router)
+    dashboard.add_routes(router)

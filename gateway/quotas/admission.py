@@ -1,0 +1,83 @@
+"""The admit stage: a tenant's interactive quotas charged before a request reaches a worker, and
+settled to what it used once it ends.
+
+A tenant-key request reserves prompt + max_tokens × n tokens (rpm, tpm, concurrency and the
+monthly budget checked and charged at once, gateway/quotas/store.py); a refusal is a 429 (or a 503
+when the quota store is unreachable in closed mode). Batch lines skip the interactive quotas (see
+gateway/batches/lines.py). The x-ratelimit-* headers of the decision go on every response of an
+admitted or refused request (`add_quota_headers`, an on_response_prepare hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.auth.guards import Caller
+from gateway.observability.metrics import METRICS
+from gateway.observability.tracing import TRACING
+from gateway.quotas.store import Limits, QuotaUnavailable, Ticket
+from gateway.state import QUOTAS
+
+QUOTA_HEADERS_KEY = web.RequestKey("quota_headers", dict)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request's hold on its tenant's quotas, until `settle`."""
+
+    request: web.Request
+    ticket: Ticket
+
+    async def settle(self, used_tokens: int) -> None:
+        """Free the concurrency slot and correct the reserved tokens to the ones used."""
+        app = self.request.app
+        with app[TRACING].span("gateway.quota.settle"):
+            await app[QUOTAS].settle(self.ticket, used_tokens)
+
+
+def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
+    if reason == "budget":
+        return ApiError(429, "the monthly token budget of this tenant is used up", type="insufficient_quota",
+                        code="insufficient_quota", headers=headers)
+    what = {"rpm": "requests per minute", "tpm": "tokens per minute",
+            "concurrency": "concurrent requests"}.get(reason or "", "rate")
+    return ApiError(429, f"rate limit reached: {what}", type="rate_limit_error", code="rate_limit_exceeded",
+                    headers=headers)
+
+
+async def admit(request: web.Request, caller: Caller, request_id: str, reserve: int) -> Admission | None:
+    """Charge the caller's interactive quotas (None for a batch line: nothing to charge); a 429
+    (or 503) when they refuse."""
+    record = caller.record
+    if record is None:
+        return None
+    limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
+    app = request.app
+    with app[TRACING].span("gateway.quota.admit", {"tollway.quota.reserved_tokens": reserve}) as span:
+        try:
+            decision = await app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
+        except QuotaUnavailable as exc:
+            app[METRICS].rejections.labels(record.tenant_name, "unavailable").inc()
+            raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
+                           headers={"Retry-After": "1"}) from exc
+        if span is not None:
+            span.set_attribute("tollway.quota.admitted", decision.admitted)
+            if decision.reason:
+                span.set_attribute("tollway.quota.reason", decision.reason)
+    request[QUOTA_HEADERS_KEY] = decision.headers()
+    if not decision.admitted:
+        app[METRICS].rejections.labels(record.tenant_name, decision.reason or "rate").inc()
+        raise rejection(decision.reason, decision.headers())
+    assert decision.ticket is not None  # an admitted decision carries its ticket
+    return Admission(request, decision.ticket)
+
+
+async def add_quota_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the x-ratelimit-* headers go on every response of an admitted request."""
+    headers = request.get(QUOTA_HEADERS_KEY)
+    if headers:
+        for name, value in headers.items():
+            response.headers.setdefault(name, value)

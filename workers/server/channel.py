@@ -1,0 +1,127 @@
+"""The worker's side of the generate channel (`GET /internal/channel`; frames: workers/wire/channel.py).
+
+One HTTP request per generate call costs the gateway more CPU than the rest of its work on a
+request (a connection checkout, request and header writing, response parsing, a stream reader).
+On this channel a request is one frame each way (more for a stream), all multiplexed on one
+connection per gateway process and worker. Both the real worker (workers/server/app.py) and its
+test double (ops/fake_worker.py) serve it through `serve_channel`, with their own `answer` and
+`cancel`. A closed channel aborts every request still running on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from workers.wire.channel import (
+    MAX_FRAME_BYTES,
+    BadFrame,
+    CancelFrame,
+    ErrorFrame,
+    GenerateFrame,
+    LinesFrame,
+    decode_request,
+)
+
+log = logging.getLogger(__name__)
+
+Answer = Callable[[Any, Mapping[str, str]], AsyncIterator[list[dict[str, Any]]]]
+"""(generate body, headers) -> batches of lines (an empty one sends nothing); raises ValueError
+before its first batch for a 400."""
+Cancel = Callable[[str], None]
+"""Stop the request with this `request_id` (the body's): its answer ends with the abort line."""
+
+
+OPEN_CHANNELS = web.AppKey("open_channels", set)
+
+
+def setup_channels(app: web.Application) -> None:
+    """Track the app's open channels and close them at shutdown (they would hold it up otherwise)."""
+    app[OPEN_CHANNELS] = set()
+
+    async def close_channels(app: web.Application) -> None:
+        for ws in list(app[OPEN_CHANNELS]):
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"worker shutting down")
+
+    app.on_shutdown.append(close_channels)
+
+
+async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) -> web.WebSocketResponse:
+    """Serve one channel (the app must have run `setup_channels`) until either side closes it."""
+    ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, compress=False)
+    await ws.prepare(request)
+    # Owned by this handler: channel id -> its task (cancelled when the channel closes) and the
+    # body's request_id (what `cancel` names).
+    running: dict[Any, asyncio.Task[None]] = {}
+    request_ids: dict[Any, str] = {}
+    request.app[OPEN_CHANNELS].add(ws)
+    try:
+        async for message in ws:
+            if message.type != aiohttp.WSMsgType.BINARY:
+                continue
+            try:
+                frame = decode_request(message.data)
+            except BadFrame as exc:
+                await _send(ws, ErrorFrame(None, 400, str(exc)))
+                continue
+            if isinstance(frame, GenerateFrame):
+                if frame.id in running:
+                    await _send(ws, ErrorFrame(frame.id, 400, "id already in use"))
+                    continue
+                task = asyncio.create_task(_serve(ws, frame, answer))
+                running[frame.id] = task
+                if isinstance(frame.body, dict) and isinstance(frame.body.get("request_id"), str):
+                    request_ids[frame.id] = frame.body["request_id"]
+
+                def forget(_: object, channel_id: Any = frame.id) -> None:
+                    running.pop(channel_id, None)
+                    request_ids.pop(channel_id, None)
+
+                task.add_done_callback(forget)
+            elif isinstance(frame, CancelFrame) and frame.id in running:
+                if frame.id in request_ids:
+                    cancel(request_ids[frame.id])
+                else:  # refused before it ran: nothing to bill, stop the task
+                    running[frame.id].cancel()
+    finally:
+        request.app[OPEN_CHANNELS].discard(ws)
+        for task in list(running.values()):
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+    return ws
+
+
+async def _serve(ws: web.WebSocketResponse, frame: GenerateFrame, answer: Answer) -> None:
+    lines: AsyncIterator[list[dict[str, Any]]] | None = None
+    try:
+        try:
+            lines = answer(frame.body, frame.headers)
+            batch = await anext(lines)
+        except ValueError as exc:
+            await _send(ws, ErrorFrame(frame.id, 400, str(exc)))
+            return
+        while batch is not None:
+            if batch:
+                await _send(ws, LinesFrame(frame.id, batch))
+            batch = await anext(lines, None)
+    except ConnectionResetError:  # the channel closed: the request is aborted below
+        pass
+    except Exception:  # never a silent hang for the caller
+        log.exception("channel request %r failed", frame.id)
+        with contextlib.suppress(ConnectionResetError):
+            await _send(ws, ErrorFrame(frame.id, 500, "the worker failed"))
+    finally:
+        if lines is not None:
+            await lines.aclose()  # before the end, this aborts the request
+
+
+async def _send(ws: web.WebSocketResponse, frame: LinesFrame | ErrorFrame) -> None:
+    if ws.closed:
+        raise ConnectionResetError("the channel is closed")
+    await ws.send_bytes(frame.encode())
