@@ -94,7 +94,7 @@ def _check_quota(field: str, value: object) -> int | None:
     return value
 
 
-def _check_tenant_name(name: object) -> str:
+def check_tenant_name(name: object) -> str:
     if not isinstance(name, str) or _TENANT_NAME.fullmatch(name) is None:
         raise InvalidQuotaError(
             f"invalid tenant name {name!r}: use 1-{TENANT_NAME_MAX_LENGTH} letters, digits, '-', '_' or '.'"
@@ -113,7 +113,7 @@ def create_tenant(
     max_concurrent: int | None = None, monthly_token_budget: int | None = None,
 ) -> Tenant:
     """Create a tenant; quotas left at None are unlimited."""
-    _check_tenant_name(name)
+    check_tenant_name(name)
     quotas = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent,
               "monthly_token_budget": monthly_token_budget}
     checked = {field: _check_quota(field, value) for field, value in quotas.items()}

@@ -85,9 +85,10 @@ def setup_quotas(app: web.Application) -> None:
     settings = app[SETTINGS]
 
     async def quotas(app: web.Application) -> AsyncIterator[None]:
-        store: QuotaStore = LocalQuotaStore()
+        local = LocalQuotaStore()
+        store: QuotaStore = local
         if settings.redis_url:
-            store = FailoverQuotaStore(RedisQuotaStore(settings.redis_url, prefix=settings.quota_prefix), store,
+            store = FailoverQuotaStore(RedisQuotaStore(settings.redis_url, prefix=settings.quota_prefix), local,
                                        mode=settings.quota_failure_mode)
         app[QUOTAS] = store
         yield
@@ -110,8 +111,9 @@ def setup_metering(app: web.Application) -> None:
         app[WRITER] = writer
         app[BACKGROUND] = set()
         yield
-        if app[BACKGROUND]:  # hang-ups still being billed
-            await asyncio.wait(app[BACKGROUND], timeout=15)
+        background = app[BACKGROUND]
+        if background:  # hang-ups still being billed
+            await asyncio.wait(background, timeout=15)
         await asyncio.to_thread(writer.close)
 
     app.cleanup_ctx.append(metering)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic_settings import SettingsConfigDict
 
+from gateway.upstream.router import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD
 from workers.wire.batches import broker_url
 from workers.wire.telemetry import TracingSettings
 
@@ -54,9 +55,10 @@ class GatewaySettings(TracingSettings):
     """How often every worker's /internal/info is polled."""
     max_attempts: int = 3
     """Workers tried for one request that has not begun streaming."""
-    router_balance_abs: int = 32
-    router_balance_rel: float = 1.5
-    router_cache_threshold: float = 0.5
+    router_balance_abs: int = BALANCE_ABS_THRESHOLD
+    router_balance_rel: float = BALANCE_REL_THRESHOLD
+    router_cache_threshold: float = CACHE_THRESHOLD
+    """Cache-aware routing (gateway/upstream/router.py)."""
     access_log: bool = False
 
     @property

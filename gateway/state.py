@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,5 +23,5 @@ ADMIN_KEY = web.AppKey("admin_key", str)
 POOL = web.AppKey("pool", WorkerPool)
 ROUTER = web.AppKey("router", Router)
 QUOTAS = web.AppKey("quotas", QuotaStore)
-BACKGROUND = web.AppKey("background_tasks", set)  # tasks that outlive their request (billing a hang-up)
+BACKGROUND = web.AppKey("background_tasks", set[asyncio.Task[None]])  # tasks that outlive their request (billing a hang-up)
 WRITER = web.AppKey("usage_writer", UsageWriter)

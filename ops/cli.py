@@ -7,7 +7,6 @@ they never print made-up output.
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
 
 import click
 from rich.console import Console
@@ -16,13 +15,7 @@ from ops.admin_cli import keys, tenants
 from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
 
-NOT_BUILT_EXIT_CODE = 2
 stderr = Console(stderr=True)
-
-
-def not_built(command: str) -> NoReturn:
-    stderr.print(f"[yellow]`tollway {command}` is not built yet[/] (see the Status section of README.md).")
-    sys.exit(NOT_BUILT_EXIT_CODE)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

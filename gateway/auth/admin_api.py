@@ -66,8 +66,8 @@ async def create_tenant(request: web.Request) -> web.Response:
     if unknown:
         raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
     quotas = {field: body.get(field) for field in QUOTAS}
-    row = await _in_transaction(
-        request, lambda s: tenants.tenant_to_dict(tenants.create_tenant(s, body.get("name"), **quotas)))
+    row = await _in_transaction(request, lambda s: tenants.tenant_to_dict(
+        tenants.create_tenant(s, tenants.check_tenant_name(body.get("name")), **quotas)))
     return web.json_response(row, status=201)
 
 

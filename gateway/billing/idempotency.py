@@ -10,7 +10,6 @@ client can retry; a claim left by a crashed gateway is taken over after `STALE_C
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,10 +18,11 @@ import orjson
 from aiohttp import web
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from accounting.models import IdempotentResponse, utcnow
 from gateway.api.errors import ApiError
+from gateway.api.transactions import in_transaction
 
 HEADER = "Idempotency-Key"
 MAX_KEY_LENGTH = 255
@@ -53,32 +53,30 @@ def body_hash(body: object) -> str:
     return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-def _claim_or_replay(sessions: sessionmaker[Session], tenant_id: int, key: str, digest: str,
-                     request_id: str) -> Claim | Replay:
-    with sessions() as session, session.begin():
-        row = session.scalar(select(IdempotentResponse).where(
-            IdempotentResponse.tenant_id == tenant_id, IdempotentResponse.key == key).with_for_update())
-        if row is None:
-            session.add(IdempotentResponse(tenant_id=tenant_id, key=key, request_hash=digest, request_id=request_id))
-            try:
-                session.flush()
-            except IntegrityError as exc:  # a concurrent request claimed it first
-                raise ApiError(409, "a request with this Idempotency-Key is in progress; retry later",
-                               param=HEADER, code="idempotency_key_in_use") from exc
-            return Claim(tenant_id, key)
-        if row.request_hash != digest:
-            raise ApiError(422, "this Idempotency-Key was used with a different request body", param=HEADER,
-                           code="idempotency_key_reused")
-        if row.body is not None and row.status_code is not None:
-            return Replay(row.status_code, row.content_type or "application/json", row.body)
-        if utcnow() - row.created_at < timedelta(seconds=STALE_CLAIM_S):
+def _claim_or_replay(session: Session, tenant_id: int, key: str, digest: str, request_id: str) -> Claim | Replay:
+    row = session.scalar(select(IdempotentResponse).where(
+        IdempotentResponse.tenant_id == tenant_id, IdempotentResponse.key == key).with_for_update())
+    if row is None:
+        session.add(IdempotentResponse(tenant_id=tenant_id, key=key, request_hash=digest, request_id=request_id))
+        try:
+            session.flush()
+        except IntegrityError as exc:  # a concurrent request claimed it first
             raise ApiError(409, "a request with this Idempotency-Key is in progress; retry later",
-                           param=HEADER, code="idempotency_key_in_use")
-        row.request_id, row.created_at = request_id, utcnow()  # abandoned by a crashed gateway: take it over
+                           param=HEADER, code="idempotency_key_in_use") from exc
         return Claim(tenant_id, key)
+    if row.request_hash != digest:
+        raise ApiError(422, "this Idempotency-Key was used with a different request body", param=HEADER,
+                       code="idempotency_key_reused")
+    if row.body is not None and row.status_code is not None:
+        return Replay(row.status_code, row.content_type or "application/json", row.body)
+    if utcnow() - row.created_at < timedelta(seconds=STALE_CLAIM_S):
+        raise ApiError(409, "a request with this Idempotency-Key is in progress; retry later",
+                       param=HEADER, code="idempotency_key_in_use")
+    row.request_id, row.created_at = request_id, utcnow()  # abandoned by a crashed gateway: take it over
+    return Claim(tenant_id, key)
 
 
-async def claim_or_replay(request: web.Request, sessions: sessionmaker[Session], tenant_id: int, body: object,
+async def claim_or_replay(request: web.Request, tenant_id: int, body: object,
                           request_id: str) -> Claim | Replay | None:
     """None when the request has no Idempotency-Key."""
     key = request.headers.get(HEADER)
@@ -86,16 +84,16 @@ async def claim_or_replay(request: web.Request, sessions: sessionmaker[Session],
         return None
     if not key or len(key) > MAX_KEY_LENGTH:
         raise ApiError(400, f"{HEADER} must be 1 to {MAX_KEY_LENGTH} characters", param=HEADER)
-    return await asyncio.to_thread(_claim_or_replay, sessions, tenant_id, key, body_hash(body), request_id)
+    digest = body_hash(body)
+    return await in_transaction(request, lambda session: _claim_or_replay(session, tenant_id, key, digest, request_id))
 
 
-def _release(sessions: sessionmaker[Session], claim: Claim) -> None:
-    with sessions() as session, session.begin():
-        session.execute(delete(IdempotentResponse).where(
-            IdempotentResponse.tenant_id == claim.tenant_id, IdempotentResponse.key == claim.key,
-            IdempotentResponse.body.is_(None)))
+def _release(session: Session, claim: Claim) -> None:
+    session.execute(delete(IdempotentResponse).where(
+        IdempotentResponse.tenant_id == claim.tenant_id, IdempotentResponse.key == claim.key,
+        IdempotentResponse.body.is_(None)))
 
 
-async def release(sessions: sessionmaker[Session], claim: Claim) -> None:
+async def release(request: web.Request, claim: Claim) -> None:
     """Give the key back after a failure that billed nothing, so a retry can run."""
-    await asyncio.to_thread(_release, sessions, claim)
+    await in_transaction(request, lambda session: _release(session, claim))

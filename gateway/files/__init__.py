@@ -1,0 +1,1 @@
+"""OpenAI's Files API: uploads checked as batch input, listed, read and deleted per tenant."""

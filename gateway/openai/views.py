@@ -28,7 +28,6 @@ from gateway.openai.params import GenerationKind
 from gateway.openai.prompt import namespace_of, parse_generation, worker_body
 from gateway.openai.responses import ResponseBuilder
 from gateway.quotas.admission import admit
-from gateway.state import SESSIONS
 from gateway.upstream.exchange import Exchange
 
 
@@ -56,8 +55,7 @@ async def generation(request: web.Request, kind: GenerationKind) -> web.StreamRe
                       parsed.raw)
 
     with app[TRACING].span("gateway.idempotency") if idempotency.HEADER in request.headers else NO_SPAN:
-        claim = await idempotency.claim_or_replay(request, app[SESSIONS], caller.tenant_id, parsed.raw,
-                                                  parsed.request_id)
+        claim = await idempotency.claim_or_replay(request, caller.tenant_id, parsed.raw, parsed.request_id)
     if isinstance(claim, idempotency.Replay):
         return claim.response()
     try:
@@ -79,4 +77,4 @@ async def generation(request: web.Request, kind: GenerationKind) -> web.StreamRe
                 await admission.settle(meter.total_tokens())
     finally:
         if claim is not None:  # a no-op when the response was stored with the usage row
-            await idempotency.release(app[SESSIONS], claim)
+            await idempotency.release(request, claim)

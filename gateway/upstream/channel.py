@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -26,6 +26,7 @@ from workers.wire.channel import (
     LinesFrame,
     decode_answer,
 )
+from workers.wire.generate import GenerateBody
 
 HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
 _CLOSED = object()  # put on each waiting queue when the connection ends
@@ -95,7 +96,7 @@ class WorkerChannel:
                 self._connection = _Connection(ws)
             return self._connection
 
-    async def generate(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, body: GenerateBody, headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
         """The worker's lines for `body`, ending with the one carrying usage. Raises ChannelClosed
         or ChannelRefused. Closing the iterator before the end aborts the request on the worker."""
         connection = await self._open()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,54 +29,13 @@ from gateway.observability.metrics import METRICS
 from gateway.observability.tracing import TRACING
 from gateway.openai.params import GenerationRequest
 from gateway.openai.responses import ResponseBuilder
+from gateway.openai.sse import DONE, SSE_HEADERS, sse
 from gateway.state import BACKGROUND, POOL, ROUTER, SETTINGS, WRITER
+from gateway.upstream.detached import DetachedStream
 from gateway.upstream.pool import UpstreamBroken, UpstreamRejected, UpstreamUnavailable
+from workers.wire.generate import GenerateBody
 
-DONE = b"data: [DONE]\n\n"
 DRAIN_TIMEOUT_S = 10.0
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-Lines = AsyncIterator[dict[str, Any]]
-
-
-class DetachedStream:
-    """A worker stream read by its own task, so cancelling the request's handler (aiohttp does when
-    the client hangs up) does not close the worker connection: whoever bills the request can still
-    read on to the final line. Iterate it; `aclose()` closes the worker connection."""
-
-    def __init__(self, lines: Lines) -> None:
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(lines))
-
-    async def _pump(self, lines: Lines) -> None:
-        try:
-            async for line in lines:
-                self._queue.put_nowait(("line", line))
-            self._queue.put_nowait(("end", None))
-        except Exception as exc:  # handed to the reader, raised there
-            self._queue.put_nowait(("error", exc))
-        finally:
-            await lines.aclose()
-
-    def __aiter__(self) -> DetachedStream:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        kind, value = await self._queue.get()
-        if kind == "line":
-            return value
-        self._queue.put_nowait((kind, value))  # the end (or error) stays visible to later reads
-        if kind == "end":
-            raise StopAsyncIteration
-        raise value
-
-    async def aclose(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 def _failed(line: dict[str, Any]) -> bool:
@@ -91,7 +49,7 @@ class Exchange:
     model: str
     namespace: str
     prompt: list[int]
-    body: dict[str, Any]  # what the worker gets
+    body: GenerateBody  # what the worker gets
     builder: ResponseBuilder
     meter: RequestMeter
     claim: Claim | None

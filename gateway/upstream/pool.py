@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ import orjson
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
 from gateway.upstream.channel import ChannelClosed, ChannelRefused, WorkerChannel
+from workers.wire.generate import GenerateBody
 from workers.wire.telemetry import PROPAGATOR
 from workers.wire.tokenizer import TextTokenizer
 
@@ -136,7 +137,7 @@ class WorkerPool:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("could not cancel %s on %s: %r", request_id, url, exc)
 
-    async def stream(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, url: str, body: GenerateBody) -> AsyncGenerator[dict[str, Any], None]:
         """The worker's lines for one generate request, ending with the line carrying usage.
 
         Raises UpstreamUnavailable (nothing streamed yet: retry elsewhere), UpstreamRejected (4xx),
@@ -165,8 +166,8 @@ class WorkerPool:
             if span is not None:
                 span.end()
 
-    async def _lines(self, worker: WorkerState, body: dict[str, Any],
-                     headers: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+    async def _lines(self, worker: WorkerState, body: GenerateBody,
+                     headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
         started = False
         try:
             # aclosing: leaving early sends the worker an abort for this request

@@ -25,6 +25,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+# The routing defaults (GatewaySettings' TOLLWAY_ROUTER_* default to these): SGLang's
+# `CacheAwareConfig` values, except the relative balance threshold, 1.5 where SGLang uses 1.1.
+BALANCE_ABS_THRESHOLD = 32
+BALANCE_REL_THRESHOLD = 1.5
+CACHE_THRESHOLD = 0.5
 DEFAULT_CHUNK_SIZE = 16
 DEFAULT_MAX_TOKENS_PER_WORKER = 65_536
 
@@ -160,7 +165,7 @@ class PrefixIndex:
     def check_integrity(self) -> None:
         """AssertionError when an invariant above does not hold (tests)."""
         seen: dict[str, int] = {}
-        stack = [(root, None) for root in self._roots.values()]
+        stack: list[tuple[_Node, _Node | None]] = [(root, None) for root in self._roots.values()]
         while stack:
             node, parent = stack.pop()
             if parent is not None:
@@ -183,14 +188,11 @@ class PrefixIndex:
 
 
 class Router:
-    """Chooses a worker per request: cache affinity while load is balanced, least loaded otherwise.
+    """Chooses a worker per request: cache affinity while load is balanced, least loaded otherwise."""
 
-    Defaults are SGLang's `CacheAwareConfig` defaults (cache_threshold 0.5,
-    balance_abs_threshold 32, balance_rel_threshold 1.1).
-    """
-
-    def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.1,
-                 cache_threshold: float = 0.5, index: PrefixIndex | None = None) -> None:
+    def __init__(self, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD,
+                 index: PrefixIndex | None = None) -> None:
         if balance_abs_threshold < 0:
             raise ValueError("balance_abs_threshold must be >= 0")
         if not balance_rel_threshold >= 1.0:  # also rejects NaN

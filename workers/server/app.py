@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +105,7 @@ def _line(delta: Any, metrics: WorkerMetrics, outcome: _Outcome) -> dict[str, An
 
 
 async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
-                 hung_up: Callable[[], bool] = lambda: False) -> AsyncIterator[list[dict[str, Any]]]:
+                 hung_up: Callable[[], bool] = lambda: False) -> AsyncGenerator[list[dict[str, Any]], None]:
     """The answer to one generate body, in batches of lines to send together: one line per batch
     when streamed; when not, an empty batch once it runs, then every joined line in one batch at
     the end. Raises ValueError (a 400) before its first batch for a bad request. Closing it early
@@ -152,7 +152,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     lines = answer(request.app, body, request.headers,
                    hung_up=lambda: request.transport is None or request.transport.is_closing())
     try:
-        batch = await anext(lines)
+        batch: list[dict[str, Any]] | None = await anext(lines)
     except ValueError as exc:
         return error(400, str(exc))
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -31,14 +31,14 @@ from workers.wire.channel import (
 
 log = logging.getLogger(__name__)
 
-Answer = Callable[[Any, Mapping[str, str]], AsyncIterator[list[dict[str, Any]]]]
+Answer = Callable[[Any, Mapping[str, str]], AsyncGenerator[list[dict[str, Any]], None]]
 """(generate body, headers) -> batches of lines (an empty one sends nothing); raises ValueError
 before its first batch for a 400."""
 Cancel = Callable[[str], None]
 """Stop the request with this `request_id` (the body's): its answer ends with the abort line."""
 
 
-OPEN_CHANNELS = web.AppKey("open_channels", set)
+OPEN_CHANNELS = web.AppKey("open_channels", set[web.WebSocketResponse])
 
 
 def setup_channels(app: web.Application) -> None:
@@ -46,7 +46,8 @@ def setup_channels(app: web.Application) -> None:
     app[OPEN_CHANNELS] = set()
 
     async def close_channels(app: web.Application) -> None:
-        for ws in list(app[OPEN_CHANNELS]):
+        channels = app[OPEN_CHANNELS]
+        for ws in list(channels):
             await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"worker shutting down")
 
     app.on_shutdown.append(close_channels)
@@ -98,11 +99,11 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) ->
 
 
 async def _serve(ws: web.WebSocketResponse, frame: GenerateFrame, answer: Answer) -> None:
-    lines: AsyncIterator[list[dict[str, Any]]] | None = None
+    lines: AsyncGenerator[list[dict[str, Any]], None] | None = None
     try:
         try:
             lines = answer(frame.body, frame.headers)
-            batch = await anext(lines)
+            batch: list[dict[str, Any]] | None = await anext(lines)
         except ValueError as exc:
             await _send(ws, ErrorFrame(frame.id, 400, str(exc)))
             return

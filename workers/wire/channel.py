@@ -39,7 +39,7 @@ class BadFrame(ValueError):
 @dataclass(frozen=True)
 class GenerateFrame:
     id: int
-    body: dict[str, Any]
+    body: Any  # a GenerateBody (workers/wire/generate.py) from the gateway; unchecked JSON on receipt
     headers: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:

@@ -1,4 +1,5 @@
-"""Prompt tokenization in the gateway: `tokenizers` + the model's chat template (jinja2), no torch.
+"""Prompt tokenization from a model's tokenizer files: `tokenizers` + its chat template (jinja2), no
+torch. The gateway tokenizes every prompt with it; offline generation (`tollway generate --chat`) too.
 
 Built from a model's tokenizer files as a worker serves them on `GET /internal/tokenizer`
 (`tokenizer.json`, `tokenizer_config.json` with the special tokens, and the chat template from

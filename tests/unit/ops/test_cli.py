@@ -1,4 +1,4 @@
-"""The CLI surface: commands listed, unbuilt ones honest, generate on a tiny model folder."""
+"""The CLI surface: commands listed, generate on a tiny model folder."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ops.cli import NOT_BUILT_EXIT_CODE, cli
+from ops.cli import cli
 from workers.models.tiny import write_tiny_model_folder
 
 
@@ -23,14 +23,6 @@ def test_batch_lists_its_commands() -> None:
     assert result.exit_code == 0
     for command in ("submit", "list", "status", "cancel", "download"):
         assert f"  {command} " in result.output
-
-
-def test_not_built_helper_exits_2() -> None:
-    from ops.cli import not_built
-
-    with pytest.raises(SystemExit) as exited:
-        not_built("something")
-    assert exited.value.code == NOT_BUILT_EXIT_CODE
 
 
 def test_generate_on_a_local_folder_prints_only_the_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
