@@ -157,7 +157,8 @@ class UsageEvent(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     status: Mapped[str] = mapped_column(String(32), nullable=False)
-    """ok | client_disconnected | upstream_error | rejected (tokens used before a failure are billed)."""
+    """ok | client_disconnected | upstream_error | gateway_lost (billed from a worker's ledger after the
+    gateway that carried it died) | rejected (tokens used before a failure are billed)."""
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float | None] = mapped_column(Float)

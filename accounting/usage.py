@@ -65,7 +65,7 @@ class UsageRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     status: str
-    """ok | client_disconnected | upstream_error | rejected."""
+    """ok | client_disconnected | upstream_error | gateway_lost | rejected."""
     finish_reason: str | None = None
     ttft_ms: float | None = None
     latency_ms: float | None = None

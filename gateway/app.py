@@ -23,6 +23,7 @@ from gateway.api.routes import setup_routes
 from gateway.auth.invalidation import listen_for_invalidations
 from gateway.auth.keys import KeyCache
 from gateway.batches.dispatch import setup_batches
+from gateway.billing.reconcile import OrphanBiller
 from gateway.observability.metrics import setup_metrics
 from gateway.observability.tracing import (
     TRACING,
@@ -130,6 +131,9 @@ def setup_workers(app: web.Application) -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         app[POOL] = pool = WorkerPool(settings.workers, session, health_interval_s=settings.health_interval_s,
                                       tracer=app[TRACING].tracer)
+        # Orphaned usage (requests of a gateway that died mid-stream) is billed on every poll,
+        # the first one included: a restarted gateway bills its predecessor's before it serves.
+        pool.bill_orphans = OrphanBiller(pool, app[WRITER]).bill
         await pool.start()
         yield
         await pool.stop()

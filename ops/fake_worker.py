@@ -33,8 +33,10 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ops.startup_heap import frozen_startup_heap
+from workers.server.billing import BILLING_KEY, setup_billing
 from workers.server.channel import serve_channel, setup_channels
 from workers.server.errors import error
+from workers.server.ledger import UsageLedger
 from workers.server.metrics import WorkerMetrics, make_metrics
 from workers.wire import generate as protocol  # the real worker's request parsing: no torch, no model
 from workers.wire.sampling import SamplingParams
@@ -94,9 +96,9 @@ FAKE_WORKER_KEY = web.AppKey("fake_worker", FakeWorker)
 METRICS_KEY = web.AppKey("fake_metrics", WorkerMetrics)  # the real worker's metric names and kinds
 
 
-def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], SamplingParams, bool]:
+def parse_generate(worker: FakeWorker, body: Any) -> protocol.GenerateRequest:
     parsed = protocol.parse_generate(body, sampling_defaults={"max_tokens": 16})  # the real engine's is 256
-    request_id, namespace, prompt, params = parsed.request_id, parsed.namespace, parsed.prompt, parsed.params
+    request_id, prompt = parsed.request_id, parsed.prompt
     # The engine's checks (Engine.validate_request), in its order.
     if not prompt:
         raise protocol.BadRequest("the prompt has no tokens")
@@ -106,7 +108,7 @@ def parse_generate(worker: FakeWorker, body: Any) -> tuple[str, str, list[int], 
         raise protocol.BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
     if request_id in worker.running:
         raise protocol.BadRequest(f"request id {request_id!r} is already running")
-    return request_id, namespace, prompt, params, parsed.stream
+    return parsed
 
 
 def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: SamplingParams) -> list[dict[str, Any]]:
@@ -140,7 +142,8 @@ def _account(worker: FakeWorker, namespace: str, usage: dict[str, int], choices:
     worker.totals["completion"] += usage["completion_tokens"]
 
 
-def _answer(request: web.Request, body: Any, headers: Mapping[str, str]) -> AsyncGenerator[list[dict[str, Any]]]:
+def _answer(request: web.Request, body: Any, headers: Mapping[str, str],
+            owner: object | None = None) -> AsyncGenerator[list[dict[str, Any]]]:
     """The answer to one generate body in batches of lines (as the real worker's `answer`); raises
     BadRequest at once for a bad body."""
     worker = request.app[FAKE_WORKER_KEY]
@@ -148,8 +151,10 @@ def _answer(request: web.Request, body: Any, headers: Mapping[str, str]) -> Asyn
     if worker.record_bodies:
         worker.requests.append(body)
         worker.trace_headers.append({k: headers[k] for k in ("traceparent", "tracestate") if k in headers})
-    request_id, namespace, prompt, params, stream = parse_generate(worker, body)
-    return _emit(request, worker, request_id, namespace, _lines(worker, namespace, prompt, params), params.n, stream)
+    parsed = parse_generate(worker, body)
+    request.app[BILLING_KEY].started(parsed.request_id, parsed.billing, owner)
+    lines = _lines(worker, parsed.namespace, parsed.prompt, parsed.params)
+    return _emit(request, worker, parsed.request_id, parsed.namespace, lines, parsed.params.n, parsed.stream)
 
 
 async def _emit(request: web.Request, worker: FakeWorker, request_id: str, namespace: str,
@@ -157,6 +162,9 @@ async def _emit(request: web.Request, worker: FakeWorker, request_id: str, names
     joiner = None if stream else protocol.LineJoiner()  # as the real worker: all at the end
     worker.running.add(request_id)
     worker.max_running = max(worker.max_running, len(worker.running))
+    handed_out = 0  # lines given to the caller (a line is a token)
+    final: tuple[dict[str, int], str] | None = None  # the usage line's (usage, finish_reason)
+    died = False
     try:
         for sent, line in enumerate(lines):
             if request_id in worker.cancelled:  # as the engine: an "abort" line with the usage so far
@@ -165,9 +173,13 @@ async def _emit(request: web.Request, worker: FakeWorker, request_id: str, names
             elif sent == worker.fail_after_tokens:
                 if request.transport is not None:
                     request.transport.abort()  # the worker "dies": no more bytes (on a channel: for all)
+                died = True  # and keeps no usage
                 return
             elif worker.delay_s > 0:
                 await asyncio.sleep(worker.delay_s)
+            if "usage" in line:
+                final = (line["usage"], line["finish_reason"])
+            handed_out = sent + 1
             if joiner is None:
                 yield [line]
             else:
@@ -186,6 +198,13 @@ async def _emit(request: web.Request, worker: FakeWorker, request_id: str, names
     finally:
         worker.running.discard(request_id)
         worker.cancelled.discard(request_id)
+        billing = request.app[BILLING_KEY]
+        if died:
+            billing.refused(request_id)
+        elif final is not None:  # ran to the end, or cancelled: as the engine reports it
+            billing.finished(request_id, *final)
+        else:  # abandoned by its caller (a closed connection or channel)
+            billing.finished(request_id, {**lines[-1]["usage"], "completion_tokens": handed_out}, "abort")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -213,8 +232,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def channel(request: web.Request) -> web.WebSocketResponse:
     """The generate channel (workers/server/channel.py), answered as `generate` answers."""
-    worker = request.app[FAKE_WORKER_KEY]
-    return await serve_channel(request, lambda body, headers: _answer(request, body, headers), worker.cancel)
+    app = request.app
+    return await serve_channel(request, lambda body, headers, owner: _answer(request, body, headers, owner),
+                               app[FAKE_WORKER_KEY].cancel, app[BILLING_KEY])
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -223,7 +243,7 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def info(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FAKE_WORKER_KEY].info())
+    return web.json_response({**request.app[FAKE_WORKER_KEY].info(), "usage_ledger": request.app[BILLING_KEY].info()})
 
 
 @functools.cache
@@ -270,6 +290,7 @@ def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> 
     app = web.Application(client_max_size=16 * 2**20)
     app[FAKE_WORKER_KEY] = state = worker if worker is not None else FakeWorker(**options)
     app[METRICS_KEY] = make_metrics(state.info)
+    setup_billing(app, UsageLedger())
     app.router.add_post("/internal/generate", generate)
     app.router.add_get("/internal/channel", channel)
     setup_channels(app)

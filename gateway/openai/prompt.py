@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -20,7 +21,7 @@ from gateway.observability.tracing import TRACING
 from gateway.openai.models import model_entry
 from gateway.openai.params import GenerationKind, GenerationRequest, parse_request
 from gateway.upstream.pool import ModelEntry
-from workers.wire.generate import GenerateBody, generate_body
+from workers.wire.generate import Billing, GenerateBody, generate_body
 from workers.wire.tokenizer import ChatTemplateError
 
 
@@ -84,20 +85,23 @@ def completion_budget(entry: ModelEntry, params: GenerationRequest, num_prompt: 
     return params.max_tokens if params.max_tokens is not None else entry.context_length - num_prompt
 
 
-def worker_body(parsed: ParsedGeneration, caller: Caller) -> GenerateBody:
+def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime) -> GenerateBody:
     """What the worker gets. The namespace (the prefix cache's tenant partition) comes from the
     caller's key or batch, never from the client. A non-streamed request without logprobs asks for
     the joined answer (`"stream": false`: one line per choice at the end, not one per token): the
     gateway has nothing to forward before the end, and a line per token costs it a wakeup and a
     parse each. Logprobs keep the per-token lines, whose texts set the legacy `text_offset`s exactly
-    as when streamed."""
+    as when streamed. `billing` is what the worker keeps with the usage until this gateway has
+    committed the usage row (gateway/billing/reconcile.py bills it if the gateway dies first)."""
     params = parsed.params
     sampling = {**params.sampling, "max_tokens": parsed.max_tokens}
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
+    billing: Billing = {"tenant_id": caller.tenant_id, "key_id": caller.key_id, "model": parsed.entry.name,
+                        "batch_id": caller.batch_id, "started_at": started_at.isoformat()}
     return generate_body(parsed.request_id, namespace_of(caller), parsed.prompt, sampling,
                          "batch" if caller.batch_id is not None else "interactive",
-                         params.stream or params.logprobs is not None)
+                         params.stream or params.logprobs is not None, billing)
 
 
 def namespace_of(caller: Caller) -> str:

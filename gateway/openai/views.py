@@ -63,7 +63,7 @@ async def generation(request: web.Request, kind: GenerationKind) -> web.StreamRe
         meter = telemetry.meter = RequestMeter(parsed.request_id, caller.tenant_id, caller.key_id, entry.name,
                                                len(parsed.prompt), batch_id=caller.batch_id)
         exchange = Exchange(request, params, entry.name, namespace_of(caller), parsed.prompt,
-                            worker_body(parsed, caller),
+                            worker_body(parsed, caller, meter.started_at),
                             ResponseBuilder(kind, parsed.request_id, entry.name, int(time.time()), entry.tokenizer,
                                             params.logprobs is not None),
                             meter, claim, telemetry.tenant)

@@ -19,6 +19,7 @@ import aiohttp
 
 from workers.wire.channel import (
     MAX_FRAME_BYTES,
+    AckFrame,
     BadFrame,
     CancelFrame,
     ErrorFrame,
@@ -80,6 +81,8 @@ class WorkerChannel:
         self._connection: _Connection | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._ids = itertools.count()
+        self._acks: list[str] = []  # request ids whose usage rows are committed, sent in one frame per loop turn
+        self._ack_task: asyncio.Task[None] | None = None
 
     async def _open(self) -> _Connection:
         connection = self._connection
@@ -125,6 +128,22 @@ class WorkerChannel:
             connection.channel_ids.pop(body["request_id"], None)
             if not finished:  # given up early: stop it on the worker (its late lines are dropped)
                 await self._send_cancel(connection, request_id)
+
+    def acknowledge(self, request_id: str) -> None:
+        """This request's usage row is committed: the worker may forget its usage. Acks of one loop
+        turn share a frame. One lost with a closed channel only makes the worker offer the request
+        as an orphan, whose row then already exists (usage_events.request_id is unique)."""
+        if not self._acks:
+            self._ack_task = asyncio.get_running_loop().create_task(self._send_acks())
+        self._acks.append(request_id)
+
+    async def _send_acks(self) -> None:
+        request_ids, self._acks = self._acks, []
+        connection = self._connection
+        if connection is None or not connection.open:
+            return
+        with contextlib.suppress(aiohttp.ClientError, ConnectionError):
+            await connection.ws.send_bytes(AckFrame(request_ids).encode())
 
     async def cancel(self, request_id: str) -> bool:
         """The `cancel` verb for a request running on this channel (by the body's `request_id`): its

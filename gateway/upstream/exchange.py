@@ -85,10 +85,13 @@ class Exchange:
         raise ApiError(503, f"no engine worker for '{self.model}' could take the request; retry shortly",
                        code="no_worker", headers={"Retry-After": "1"})
 
-    async def _bill(self, status: str, response: tuple[int, str, bytes] | None = None) -> None:
+    async def _bill(self, status: str, url: str, response: tuple[int, str, bytes] | None = None) -> None:
+        """Write the usage row (durable before the client's last byte), then tell the worker it may
+        forget the request's usage (it keeps it until then, in case this gateway dies)."""
         app = self.request.app
         with app[TRACING].span("gateway.metering.commit", {"tollway.usage.status": status}):
             await self.meter.finish(app[WRITER], status, self.claim if response else None, response)
+        app[POOL].acknowledge(url, self.body["request_id"])
         meter = self.meter
         app[METRICS].billed(self.tenant, self.model, meter.usage_so_far(), meter.ttft_s(), meter.inter_token_s())
 
@@ -99,6 +102,7 @@ class Exchange:
             try:
                 return await self._collect(url, first, lines)
             except UpstreamBroken:  # nothing reached the client: start over on another worker
+                self.request.app[POOL].acknowledge(url, self.body["request_id"])  # that attempt is not billed
                 self.builder.choices.clear()
                 self.meter.restart()
         raise ApiError(502, "engine workers failed mid-request on every attempt; retry later", code="worker_failed")
@@ -110,12 +114,12 @@ class Exchange:
             while line is not None:
                 self.meter.observe(line)
                 if _failed(line):
-                    await self._bill("upstream_error")
+                    await self._bill("upstream_error", url)
                     raise ApiError(502, "the engine failed while generating; retry the request", code="engine_error")
                 self.builder.absorb(line)
                 if "usage" in line:
                     body = orjson.dumps(self.builder.final(line["usage"]))
-                    await self._bill("ok", (200, "application/json", body))
+                    await self._bill("ok", url, (200, "application/json", body))
                     return web.Response(body=body, content_type="application/json")
                 line = await anext(lines, None)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
@@ -152,7 +156,7 @@ class Exchange:
                     chunk += DONE
                     transcript.append(chunk)
                     # Billed (with its stored response) before the client can see the end.
-                    await self._bill("ok", (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))
+                    await self._bill("ok", url, (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))
                     await response.write(chunk)
                     break
                 transcript.append(chunk)
@@ -161,7 +165,7 @@ class Exchange:
             else:
                 raise UpstreamBroken("the engine worker ended the stream early")
         except UpstreamBroken as exc:
-            await self._bill("upstream_error")
+            await self._bill("upstream_error", url)
             error = ApiError(502, f"the engine worker failed mid-stream: {exc}", code="worker_failed")
             with contextlib.suppress(ConnectionResetError):
                 await response.write(sse(error.body()))
@@ -199,4 +203,4 @@ class Exchange:
             pass  # billed from the tokens received so far
         finally:
             await lines.aclose()
-        await self._bill("client_disconnected")
+        await self._bill("client_disconnected", url)

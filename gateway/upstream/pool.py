@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,9 @@ class WorkerPool:
         self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
         self._task: asyncio.Task[None] | None = None
         self._tracer = tracer  # None: no span, no traceparent
+        # Set by the app (gateway/billing/reconcile.py): bills a worker's orphaned usage, awaited
+        # in that worker's poll whenever its info reports some.
+        self.bill_orphans: Callable[[str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         await self.poll_all()
@@ -114,6 +117,8 @@ class WorkerPool:
         if not worker.healthy:
             log.info("worker %s is up (model %s)", worker.url, model)
         worker.healthy, worker.model, worker.last_error, worker.info = True, model, None, info
+        if self.bill_orphans is not None and info.get("usage_ledger", {}).get("orphans"):
+            await self.bill_orphans(worker.url)
 
     def mark_down(self, worker: WorkerState, reason: str) -> None:
         if worker.healthy:
@@ -124,6 +129,21 @@ class WorkerPool:
         """In-flight counts of the healthy workers serving `model` (the router's candidates)."""
         return {w.url: w.in_flight for w in self.workers.values()
                 if w.healthy and w.model == model and w.url not in exclude}
+
+    def acknowledge(self, url: str, request_id: str) -> None:
+        """The request's usage row is committed (see WorkerChannel.acknowledge)."""
+        self._channels[url].acknowledge(request_id)
+
+    async def orphans(self, url: str) -> list[dict[str, Any]]:
+        """The worker's orphaned usage: billed requests whose channel closed before their ack."""
+        async with self._session.get(f"{url}/internal/usage/orphans", timeout=self._poll_timeout) as response:
+            response.raise_for_status()
+            return list((await response.json(loads=orjson.loads))["orphans"])
+
+    async def acknowledge_orphans(self, url: str, request_ids: list[str]) -> None:
+        async with self._session.post(f"{url}/internal/usage/ack", json={"request_ids": request_ids},
+                                      timeout=self._poll_timeout) as response:
+            response.raise_for_status()
 
     async def cancel(self, url: str, request_id: str) -> None:
         """The `cancel` verb: the worker stops the request and its stream ends with the usage so far.

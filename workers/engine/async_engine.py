@@ -5,6 +5,10 @@ through a queue; it applies them between steps and posts each delta to the calle
 on the caller's loop. Requests are validated on the caller's side first, so a bad request fails
 at once with ValueError. Leaving `generate` early (cancellation, a closed connection) aborts the
 request, which frees its blocks.
+
+Every request's last delta (the one carrying usage: finished, cancelled, failed, or abandoned by
+its caller) also goes to the finished hook when one is set, on the hook's event loop: the worker
+server keeps the usage of billed requests there until a gateway acknowledges it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +46,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._info: dict[str, Any] = engine.info()
         self._info_time = time.monotonic()
+        self._finished_hook: tuple[asyncio.AbstractEventLoop, Callable[[Delta], None]] | None = None
         self._thread = threading.Thread(target=self._run, name="tollway-engine", daemon=True)
         self._thread.start()
 
@@ -66,6 +71,10 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._commands.put(("abort", request_id))
+
+    def set_finished_hook(self, loop: asyncio.AbstractEventLoop, hook: Callable[[Delta], None]) -> None:
+        """Call `hook(last delta)` on `loop` as each request ends, however it ends."""
+        self._finished_hook = (loop, hook)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request but keep its stream: the stream ends with an 'abort' delta carrying the
@@ -120,9 +129,11 @@ class AsyncEngine:
                 if last is not None:
                     self._deliver(last)
         elif command == "abort":
-            self.engine.abort(payload)
+            last = self.engine.abort(payload)
             with self._streams_lock:
                 self._streams.pop(payload, None)  # nobody listens any more
+            if last is not None and last.usage is not None:
+                self._finished(last)
 
     def _fail_open_requests(self) -> list[Delta]:
         failed = []
@@ -137,7 +148,14 @@ class AsyncEngine:
             failed.append(Delta(request_id, finish_reason="error", usage=usage))
         return failed
 
+    def _finished(self, last: Delta) -> None:
+        if self._finished_hook is not None:
+            loop, hook = self._finished_hook
+            loop.call_soon_threadsafe(hook, last)
+
     def _deliver(self, delta: Delta) -> None:
+        if delta.usage is not None:
+            self._finished(delta)
         with self._streams_lock:
             stream = self._streams.get(delta.request_id)
             if stream is not None and delta.usage is not None:

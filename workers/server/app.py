@@ -23,10 +23,12 @@ Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a cal
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -39,11 +41,13 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 from workers.models.tokenizer import tokenizer_payload
+from workers.server.billing import BILLING_KEY, setup_billing
 from workers.server.channel import serve_channel, setup_channels
 from workers.server.errors import error
+from workers.server.ledger import UsageLedger
 from workers.server.metrics import WorkerMetrics, make_metrics
 from workers.tracing import WorkerTracing
-from workers.wire.generate import GenerateRequest, LineJoiner, ndjson, parse_generate
+from workers.wire.generate import MAX_BODY_BYTES, GenerateRequest, LineJoiner, ndjson, parse_generate
 from workers.wire.telemetry import PROPAGATOR
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -104,21 +108,30 @@ def _line(delta: Any, metrics: WorkerMetrics, outcome: _Outcome) -> dict[str, An
     return line
 
 
-async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
+async def answer(app: web.Application, body: Any, headers: Mapping[str, str], owner: object | None = None,
                  hung_up: Callable[[], bool] = lambda: False) -> AsyncGenerator[list[dict[str, Any]], None]:
     """The answer to one generate body, in batches of lines to send together: one line per batch
     when streamed; when not, an empty batch once it runs, then every joined line in one batch at
     the end. Raises ValueError (a 400) before its first batch for a bad request. Closing it early
     aborts the request in the engine; `hung_up` tells a joined answer, which writes nothing until
-    the end, that its caller left."""
+    the end, that its caller left. A billed request's usage is kept for `owner` (its channel) to
+    acknowledge, however it ends (workers/server/billing.py)."""
     parsed = parse_generate(body)
     span, trace = _start_span(app, parsed, headers)
     outcome = _Outcome()
+    billing = app[BILLING_KEY]
+    billing.started(parsed.request_id, parsed.billing, owner)
+    submitted = False  # from the first anext on, the engine reports the request's end to `billing`
     try:
         stream = app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params, parsed.namespace,
                                           Priority[parsed.priority.upper()], trace)
         try:
-            delta = await anext(stream)  # validation errors surface here, before any byte is sent
+            submitted = True
+            try:
+                delta = await anext(stream)  # validation errors surface here, before any byte is sent
+            except ValueError:
+                submitted = False
+                raise
             joiner = None if parsed.stream else LineJoiner()
             accepted = False
             while True:
@@ -140,6 +153,8 @@ async def answer(app: web.Application, body: Any, headers: Mapping[str, str],
         finally:
             await stream.aclose()  # before the end, this aborts the request
     finally:
+        if not submitted:
+            billing.refused(parsed.request_id)
         if span is not None:
             _end_span(span, outcome)
 
@@ -172,8 +187,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def channel(request: web.Request) -> web.WebSocketResponse:
     """Many generate requests over one websocket (the gateway's transport; workers/server/channel.py)."""
-    engine = request.app[ENGINE_KEY]
-    return await serve_channel(request, lambda body, headers: answer(request.app, body, headers), engine.cancel)
+    app = request.app
+    return await serve_channel(request, lambda body, headers, owner: answer(app, body, headers, owner),
+                               app[ENGINE_KEY].cancel, app[BILLING_KEY])
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -183,7 +199,9 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def info(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE_KEY].info(), dumps=lambda o: json.dumps(o, default=str))
+    """The engine's state, and the usage ledger's counts (`usage_ledger.orphans` > 0: bill them)."""
+    info = {**request.app[ENGINE_KEY].info(), "usage_ledger": request.app[BILLING_KEY].info()}
+    return web.json_response(info, dumps=lambda o: json.dumps(o, default=str))
 
 
 async def tokenizer(request: web.Request) -> web.Response:
@@ -212,10 +230,20 @@ async def traces(request: web.Request) -> web.Response:
     return web.json_response({"spans": spans}, dumps=lambda o: orjson.dumps(o).decode())
 
 
-def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None) -> web.Application:
-    """`tracing`: the worker's tracer (the engine was built with the same one), or None (off)."""
-    app = web.Application(client_max_size=16 * 2**20)
+def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None,
+                      ledger_path: Path | None = None) -> web.Application:
+    """`tracing`: the worker's tracer (the engine was built with the same one), or None (off).
+    `ledger_path`: where unacknowledged usage is kept across restarts (None: in memory only)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
+    billing = setup_billing(app, UsageLedger(ledger_path))
+
+    async def finished_hook(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        engine.set_finished_hook(loop, lambda last: billing.finished(last.request_id, last.usage or {},
+                                                                     last.finish_reason))
+
+    app.on_startup.append(finished_hook)
     app[METRICS_KEY] = make_metrics(engine.info)
     if tracing is not None:
         app[TRACING_KEY] = tracing

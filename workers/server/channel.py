@@ -19,8 +19,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from workers.server.billing import WorkerBilling
 from workers.wire.channel import (
     MAX_FRAME_BYTES,
+    AckFrame,
     BadFrame,
     CancelFrame,
     ErrorFrame,
@@ -31,9 +33,9 @@ from workers.wire.channel import (
 
 log = logging.getLogger(__name__)
 
-Answer = Callable[[Any, Mapping[str, str]], AsyncGenerator[list[dict[str, Any]], None]]
-"""(generate body, headers) -> batches of lines (an empty one sends nothing); raises ValueError
-before its first batch for a 400."""
+Answer = Callable[[Any, Mapping[str, str], object], AsyncGenerator[list[dict[str, Any]], None]]
+"""(generate body, headers, owner) -> batches of lines (an empty one sends nothing); raises
+ValueError before its first batch for a 400. `owner` is the channel's billing token."""
 Cancel = Callable[[str], None]
 """Stop the request with this `request_id` (the body's): its answer ends with the abort line."""
 
@@ -53,10 +55,13 @@ def setup_channels(app: web.Application) -> None:
     app.on_shutdown.append(close_channels)
 
 
-async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) -> web.WebSocketResponse:
-    """Serve one channel (the app must have run `setup_channels`) until either side closes it."""
+async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel,
+                        billing: WorkerBilling) -> web.WebSocketResponse:
+    """Serve one channel (the app must have run `setup_channels`) until either side closes it.
+    Billed requests it carries are owned by it until then (workers/server/billing.py)."""
     ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, compress=False)
     await ws.prepare(request)
+    owner = billing.open_channel()
     # Owned by this handler: channel id -> its task (cancelled when the channel closes) and the
     # body's request_id (what `cancel` names).
     running: dict[Any, asyncio.Task[None]] = {}
@@ -75,7 +80,7 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) ->
                 if frame.id in running:
                     await _send(ws, ErrorFrame(frame.id, 400, "id already in use"))
                     continue
-                task = asyncio.create_task(_serve(ws, frame, answer))
+                task = asyncio.create_task(_serve(ws, frame, answer, owner))
                 running[frame.id] = task
                 if isinstance(frame.body, dict) and isinstance(frame.body.get("request_id"), str):
                     request_ids[frame.id] = frame.body["request_id"]
@@ -85,6 +90,8 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) ->
                     request_ids.pop(channel_id, None)
 
                 task.add_done_callback(forget)
+            elif isinstance(frame, AckFrame):
+                billing.acknowledge(frame.request_ids)
             elif isinstance(frame, CancelFrame) and frame.id in running:
                 if frame.id in request_ids:
                     cancel(request_ids[frame.id])
@@ -94,15 +101,18 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel) ->
         request.app[OPEN_CHANNELS].discard(ws)
         for task in list(running.values()):
             task.cancel()
-        await asyncio.gather(*running.values(), return_exceptions=True)
+        try:
+            await asyncio.gather(*running.values(), return_exceptions=True)
+        finally:  # even when this handler is cancelled too (the caller vanished)
+            billing.close_channel(owner)  # what its gateway did not acknowledge is now an orphan
     return ws
 
 
-async def _serve(ws: web.WebSocketResponse, frame: GenerateFrame, answer: Answer) -> None:
+async def _serve(ws: web.WebSocketResponse, frame: GenerateFrame, answer: Answer, owner: object) -> None:
     lines: AsyncGenerator[list[dict[str, Any]], None] | None = None
     try:
         try:
-            lines = answer(frame.body, frame.headers)
+            lines = answer(frame.body, frame.headers, owner)
             batch: list[dict[str, Any]] | None = await anext(lines)
         except ValueError as exc:
             await _send(ws, ErrorFrame(frame.id, 400, str(exc)))

@@ -7,6 +7,8 @@ requests (`id`, unique on its channel):
     caller -> worker  GenerateFrame  {"op": "generate", "id": N, "body": <GenerateRequest JSON>,
                                       "headers": {"traceparent": ...}}
                       CancelFrame    {"op": "cancel", "id": N}
+                      AckFrame       {"op": "ack", "request_ids": [...]}   these requests' usage rows
+                                      are committed: the worker may forget their usage
     worker -> caller  LinesFrame     {"id": N, "lines": [<result line>, ...]}   in order; the line
                                       carrying `usage` ends N
                       ErrorFrame     {"id": N, "error": {"status": 400, "message": ...}}  N refused
@@ -14,8 +16,9 @@ requests (`id`, unique on its channel):
 `cancel` is the same verb as `POST /internal/requests/{request_id}/cancel`: the request stops and
 its answer still ends with a final line (finish_reason `abort`) carrying the usage so far. A
 caller that gave up on a request sends it too and drops the late lines. A closed channel cancels
-every request on it. The worker's side is workers/server/channel.py, the gateway's
-gateway/upstream/channel.py.
+every request on it. `ack` names requests by their body's `request_id` (workers/server/ledger.py
+keeps each billed request's usage until then). The worker's side is workers/server/channel.py,
+the gateway's gateway/upstream/channel.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MAX_FRAME_BYTES = 64 * 2**20
 
 GENERATE = "generate"
 CANCEL = "cancel"
+ACK = "ack"
 
 
 class BadFrame(ValueError):
@@ -55,6 +59,14 @@ class CancelFrame:
 
 
 @dataclass(frozen=True)
+class AckFrame:
+    request_ids: list[str]
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"op": ACK, "request_ids": self.request_ids})
+
+
+@dataclass(frozen=True)
 class LinesFrame:
     id: Any
     lines: list[dict[str, Any]]
@@ -73,11 +85,17 @@ class ErrorFrame:
         return orjson.dumps({"id": self.id, "error": {"status": self.status, "message": self.message}})
 
 
-def decode_request(data: bytes) -> GenerateFrame | CancelFrame:
+def decode_request(data: bytes) -> GenerateFrame | CancelFrame | AckFrame:
     """A caller's frame, as the worker reads it; BadFrame for anything else."""
     try:
         frame = orjson.loads(data)
-        op, request_id = frame["op"], frame["id"]
+        op = frame["op"]
+        if op == ACK:
+            request_ids = frame["request_ids"]
+            if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
+                raise TypeError("request_ids must be strings")
+            return AckFrame(request_ids)
+        request_id = frame["id"]
     except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
         raise BadFrame("bad channel frame") from exc
     if op == GENERATE:

@@ -27,6 +27,8 @@ from workers.wire.sampling import SamplingParams
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 TUPLE_FIELDS = {"stop", "stop_token_ids"}
 PRIORITIES = ("interactive", "batch")
+MAX_BODY_BYTES = 16 * 2**20
+"""Largest generate body a worker accepts over HTTP (a channel frame has its own MAX_FRAME_BYTES)."""
 
 
 class BadRequest(ValueError):
@@ -42,7 +44,19 @@ class Usage(TypedDict):
     completion_tokens: int
 
 
-class GenerateBody(TypedDict):
+class Billing(TypedDict):
+    """Who a request is billed to, as the gateway metered it. The worker keeps it, unread, with the
+    request's usage until a gateway acknowledges the usage row (workers/server/ledger.py), so the
+    row can still be written when the gateway that carried the request died."""
+
+    tenant_id: int
+    key_id: int | None
+    model: str
+    batch_id: str | None
+    started_at: str  # ISO 8601, UTC
+
+
+class GenerateBody(TypedDict, total=False):
     """The JSON of one generate request (`sampling` holds SamplingParams' fields by name)."""
 
     request_id: str
@@ -51,13 +65,18 @@ class GenerateBody(TypedDict):
     sampling: dict[str, Any]
     priority: Priority
     stream: bool
+    billing: Billing  # absent for callers that bill nothing (tests, benches)
 
 
 def generate_body(request_id: str, namespace: str, prompt: list[int], sampling: dict[str, Any],
-                  priority: Priority = "interactive", stream: bool = True) -> GenerateBody:
+                  priority: Priority = "interactive", stream: bool = True,
+                  billing: Billing | None = None) -> GenerateBody:
     """The body the gateway sends (validated by the worker's `parse_generate`)."""
-    return {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
-            "sampling": sampling, "priority": priority, "stream": stream}
+    body: GenerateBody = {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
+                          "sampling": sampling, "priority": priority, "stream": stream}
+    if billing is not None:
+        body["billing"] = billing
+    return body
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: str  # one of PRIORITIES
     stream: bool = True  # False: the answer comes at the end, one joined line per choice (LineJoiner)
+    billing: dict[str, Any] | None = None  # opaque to the worker: kept with the usage (Billing)
 
 
 def parse_sampling(raw: Any, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -111,8 +131,11 @@ def parse_generate(body: Any, sampling_defaults: dict[str, Any] | None = None) -
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false")
+    billing = body.get("billing")
+    if billing is not None and not isinstance(billing, dict):
+        raise BadRequest("billing must be an object")
     params = parse_sampling(body.get("sampling"), sampling_defaults)
-    return GenerateRequest(request_id, namespace, prompt, params, priority, stream)
+    return GenerateRequest(request_id, namespace, prompt, params, priority, stream, billing)
 
 
 def ndjson(lines: list[dict[str, Any]]) -> bytes:
