@@ -67,7 +67,10 @@ QuotaUpdate = int | Unlimited | None
 
 @dataclass(frozen=True)
 class AuthRecord:
-    """What the gateway needs to know about a valid key. Quotas: None = unlimited."""
+    """What the gateway needs to know about a valid key. Quotas: None = unlimited.
+
+    `rpm` / `tpm` are what applies to this key's requests (the stricter of the tenant's and the
+    key's own); the gateway counts the tenant's on the tenant and the key's own on the key."""
 
     tenant_id: int
     tenant_name: str
@@ -78,6 +81,10 @@ class AuthRecord:
     max_concurrent: int | None
     monthly_token_budget: int | None
     expires_at: datetime | None
+    tenant_rpm: int | None = None
+    tenant_tpm: int | None = None
+    key_rpm: int | None = None
+    key_tpm: int | None = None
 
 
 MAX_QUOTA = 2**63 - 1
@@ -256,7 +263,8 @@ def _stricter(tenant_value: int | None, key_value: int | None) -> int | None:
 def authenticate(session: Session, key_hash: str, now: datetime | None = None) -> AuthRecord | None:
     """The AuthRecord of a usable key, else None (unknown, revoked, expired, or tenant disabled).
 
-    One query. Per-key rpm/tpm apply where stricter than the tenant's. The caller compares hashes
+    One query. Per-key rpm/tpm apply where stricter than the tenant's (counted on the key, within
+    the tenant's own limits). The caller compares hashes
     in constant time and caches the result.
     """
     if not isinstance(key_hash, str) or _KEY_HASH.fullmatch(key_hash) is None:
@@ -275,7 +283,8 @@ def authenticate(session: Session, key_hash: str, now: datetime | None = None) -
     key_id, prefix, expires_at, key_rpm, key_tpm, tenant_id, tenant_name, rpm, tpm, concurrent, budget = row
     return AuthRecord(tenant_id=tenant_id, tenant_name=tenant_name, key_id=key_id, key_prefix=prefix,
                       rpm=_stricter(rpm, key_rpm), tpm=_stricter(tpm, key_tpm), max_concurrent=concurrent,
-                      monthly_token_budget=budget, expires_at=expires_at)
+                      monthly_token_budget=budget, expires_at=expires_at, tenant_rpm=rpm, tenant_tpm=tpm,
+                      key_rpm=key_rpm, key_tpm=key_tpm)
 
 
 def _iso(value: datetime | None) -> str | None:

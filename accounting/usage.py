@@ -269,6 +269,21 @@ class UsageSpool:
         _append(self.rejected_path, line + "\n")
 
 
+def read_spooled(path: Path) -> list[UsageRecord]:
+    """Every readable record of a spool file, read by anyone (the writer thread may be appending:
+    a partial last line is skipped). Rows in it may also be committed already."""
+    records = []
+    try:
+        with open(path, "rb") as file:
+            for line in file:
+                if line.strip():
+                    with contextlib.suppress(ValueError, TypeError):
+                        records.append(UsageRecord.from_json(line))
+    except FileNotFoundError:
+        pass
+    return records
+
+
 def _append(path: Path, text: str) -> None:
     with open(path, "a", encoding="utf-8") as file:
         file.write(text)

@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine, bindparam, update
 from sqlalchemy.exc import DataError, IntegrityError
 
 from accounting.models import IdempotentResponse
-from accounting.usage import SUPPORTED_DIALECTS, UsageRecord, UsageSpool, insert_records
+from accounting.usage import SUPPORTED_DIALECTS, UsageRecord, UsageSpool, insert_records, read_spooled
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,10 @@ class UsageWriter:
         # request_id → the response to store in the same transaction as its row (see StoredResponse).
         # Filled by callers before queueing, drained by the writer thread; dict ops are atomic.
         self._responses: dict[str, StoredResponse] = {}
+
+    def spooled(self) -> list[UsageRecord]:
+        """Rows in the spool (durable, perhaps not committed yet), read from any thread."""
+        return read_spooled(self._spool.path)
 
     def start(self) -> None:
         """Create the spool if needed and start the writer thread (which replays the spool first)."""

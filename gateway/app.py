@@ -23,6 +23,7 @@ from gateway.api.routes import setup_routes
 from gateway.auth.invalidation import listen_for_invalidations
 from gateway.auth.keys import KeyCache
 from gateway.batches.dispatch import setup_batches
+from gateway.billing.month_to_date import MonthToDate
 from gateway.billing.reconcile import OrphanBiller
 from gateway.observability.metrics import setup_metrics
 from gateway.observability.tracing import (
@@ -86,10 +87,14 @@ def setup_quotas(app: web.Application) -> None:
     settings = app[SETTINGS]
 
     async def quotas(app: web.Application) -> AsyncIterator[None]:
-        local = LocalQuotaStore()
+        # Monthly budgets are seeded from usage_events + the spool, so a spent budget stays spent
+        # across restarts of the gateway and of Redis (gateway/billing/month_to_date.py).
+        spent = MonthToDate(app)
+        local = LocalQuotaStore(budget_source=spent)
         store: QuotaStore = local
         if settings.redis_url:
-            store = FailoverQuotaStore(RedisQuotaStore(settings.redis_url, prefix=settings.quota_prefix), local,
+            store = FailoverQuotaStore(RedisQuotaStore(settings.redis_url, prefix=settings.quota_prefix,
+                                                       budget_source=spent), local,
                                        mode=settings.quota_failure_mode)
         app[QUOTAS] = store
         yield

@@ -181,14 +181,19 @@ def _print_once_note(key_id: int, prefix: str, tenant: str) -> None:
 @click.option("--name", default=None, help="A label for the key.")
 @click.option("--expires-in-days", type=click.IntRange(min=1), default=None,
               help="Expire the key after N days. [default: never]")
-def keys_create(tenant: str, name: str | None, expires_in_days: int | None) -> None:
+@click.option("--rpm", type=click.IntRange(min=0), default=None,
+              help="This key's own requests per minute, counted on the key within the tenant's. [default: none]")
+@click.option("--tpm", type=click.IntRange(min=0), default=None,
+              help="This key's own tokens per minute, counted on the key within the tenant's. [default: none]")
+def keys_create(tenant: str, name: str | None, expires_in_days: int | None, rpm: int | None,
+                tpm: int | None) -> None:
     """Create an API key; it is printed once on stdout, only its hash is stored."""
     from accounting.models import utcnow
     from accounting.tenants import create_key
 
     expires_at = None if expires_in_days is None else utcnow() + timedelta(days=expires_in_days)
     with _session() as session:
-        key, plaintext = create_key(session, tenant, name=name, expires_at=expires_at)
+        key, plaintext = create_key(session, tenant, name=name, expires_at=expires_at, rpm=rpm, tpm=tpm)
         key_id, prefix = key.id, key.prefix
     # Only after the commit: a key is never shown unless it was stored.
     click.echo(plaintext)

@@ -106,14 +106,16 @@ def _expiry(body: dict[str, Any]) -> datetime | None:
 
 @admin
 async def create_key(request: web.Request) -> web.Response:
-    """Create a key for a tenant: {tenant, name?, expires_in_days?}. The key is in this answer only."""
+    """Create a key for a tenant: {tenant, name?, expires_in_days?, rpm?, tpm?} (rpm / tpm: the key's
+    own limits, counted on the key within the tenant's). The key is in this answer only."""
     body = await read_json_object(request)
     tenant, name, expires_at = body.get("tenant"), body.get("name"), _expiry(body)
     if not isinstance(tenant, str):
         raise invalid("'tenant' (a tenant name) is required", "tenant")
+    rpm, tpm = body.get("rpm"), body.get("tpm")
 
     def work(session: Session) -> dict[str, Any]:
-        key, plaintext = tenants.create_key(session, tenant, name=name, expires_at=expires_at)
+        key, plaintext = tenants.create_key(session, tenant, name=name, expires_at=expires_at, rpm=rpm, tpm=tpm)
         return {**tenants.key_to_dict(key), "key": plaintext}
 
     return web.json_response(await _in_transaction(request, work), status=201)

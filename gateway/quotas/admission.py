@@ -18,10 +18,20 @@ from gateway.api.errors import ApiError
 from gateway.auth.guards import Caller
 from gateway.observability.metrics import METRICS
 from gateway.observability.tracing import TRACING
-from gateway.quotas.store import Limits, QuotaUnavailable, Ticket
+from gateway.quotas.store import KeyScope, Limits, QuotaUnavailable, Ticket
 from gateway.state import QUOTAS
 
 QUOTA_HEADERS_KEY = web.RequestKey("quota_headers", dict)
+
+
+def tenant_scope(tenant_id: int) -> str:
+    return f"tenant:{tenant_id}"
+
+
+def tenant_of_scope(scope: str) -> int | None:
+    """The tenant id of a tenant scope (None for any other scope)."""
+    kind, _, number = scope.partition(":")
+    return int(number) if kind == "tenant" and number.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -54,11 +64,14 @@ async def admit(request: web.Request, caller: Caller, request_id: str, reserve: 
     record = caller.record
     if record is None:
         return None
-    limits = Limits(record.rpm, record.tpm, record.max_concurrent, record.monthly_token_budget)
+    limits = Limits(record.tenant_rpm, record.tenant_tpm, record.max_concurrent, record.monthly_token_budget)
+    key = None
+    if record.key_rpm is not None or record.key_tpm is not None:
+        key = KeyScope(f"key:{record.key_id}", record.key_rpm, record.key_tpm)
     app = request.app
     with app[TRACING].span("gateway.quota.admit", {"tollway.quota.reserved_tokens": reserve}) as span:
         try:
-            decision = await app[QUOTAS].admit(f"tenant:{record.tenant_id}", limits, request_id, reserve)
+            decision = await app[QUOTAS].admit(tenant_scope(record.tenant_id), limits, request_id, reserve, key=key)
         except QuotaUnavailable as exc:
             app[METRICS].rejections.labels(record.tenant_name, "unavailable").inc()
             raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",

@@ -20,13 +20,20 @@ Semantics every store implements (the shared suite tests/unit/gateway/test_quota
 - one admission is atomic: every counter is charged, or none is. Usage is counted even for
   dimensions without a limit (so a limit set later starts from the real usage).
 - settle a ticket exactly once; request ids must be unique among running requests of a scope.
+- a key's own rpm / tpm (`KeyScope`) are counted on the key, inside its tenant's scope, and checked
+  in the same atomic admission as the tenant's limits: the tighter one refuses, and the headers
+  show whichever leaves less.
+- the month's budget counter is *seeded* before the first admission of a scope in a month, when
+  the store has a `BudgetSource` (the gateway's reads usage_events and the usage spool): so a
+  budget spent before a restart of the gateway, or before Redis lost its keys, stays spent. A
+  source that fails refuses scopes with a budget (QuotaUnavailable) and lets the others through.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal, Protocol
 
@@ -35,6 +42,11 @@ DEFAULT_LEASE_S = 600.0  # a concurrency slot is reclaimed this long after admis
 CONCURRENCY_RETRY_S = 1.0  # what Retry-After says when only the concurrency limit refused
 
 Reason = Literal["rpm", "tpm", "concurrency", "budget"]
+
+
+BudgetSource = Callable[[str, int], Awaitable[int | None]]
+"""(scope, YYYYMM) -> tokens the scope spent in that month before this store knew of it, or None
+when the scope has no such record (a scope that is not a tenant)."""
 
 
 class QuotaUnavailable(Exception):
@@ -58,6 +70,19 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class KeyScope:
+    """A key's own rpm / tpm within its tenant's scope (None = only the tenant's limits apply)."""
+
+    name: str  # e.g. "key:12": its counters live under the tenant scope (one Redis hash tag)
+    rpm: int | None = None
+    tpm: int | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(rpm=self.rpm, tpm=self.tpm)
+
+
+@dataclass(frozen=True)
 class Ticket:
     """What `settle` needs to undo or correct an admission."""
 
@@ -68,6 +93,7 @@ class Ticket:
     month: int  # the budget month it was charged to, as YYYYMM (UTC)
     holds_slot: bool  # whether it holds a concurrency slot (only when max_concurrent is set)
     origin: str = ""  # the store that issued it ("local" / "redis"): settle goes back there
+    key: str | None = None  # the KeyScope it was also charged to
 
 
 @dataclass(frozen=True)
@@ -132,9 +158,10 @@ class QuotaStore(Protocol):
     """Where quota counters live (in-process, or Redis shared by every gateway replica)."""
 
     async def admit(
-        self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None
+        self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
+        key: KeyScope | None = None,
     ) -> Decision:
-        """Check every limit of `scope` and, only if all pass, charge them all atomically.
+        """Check every limit of `scope` (and of `key`) and, only if all pass, charge them all atomically.
 
         `now` (epoch seconds) is for tests; None means the store's clock."""
         ...
@@ -268,6 +295,28 @@ def decide(limits: Limits, reserve: int, usage: Usage, ticket: Ticket | None) ->
         limit_tokens=tpm, remaining_tokens=None if tpm is None else max(0, tpm - usage.tokens_used),
         reset_tokens_s=None if tpm is None else _reset(usage.tokens_newest, usage.now),
     )
+
+
+def merge(tenant: Decision, key: Decision) -> Decision:
+    """One decision from a tenant's and its key's (decided on the same observation): refused if
+    either refuses (the tenant's reason first), and per dimension the headers of whichever leaves
+    less. A decision without a ticket and without a reason refused nothing itself."""
+    if not tenant.admitted and tenant.reason is not None:
+        return tenant
+    if not key.admitted and key.reason is not None:
+        return key
+
+    def tighter(a: int | None, b: int | None) -> bool:  # is b's remaining the smaller one?
+        return b is not None and (a is None or b < a)
+
+    out = tenant
+    if tighter(tenant.remaining_requests, key.remaining_requests):
+        out = replace(out, limit_requests=key.limit_requests, remaining_requests=key.remaining_requests,
+                      reset_requests_s=key.reset_requests_s)
+    if tighter(tenant.remaining_tokens, key.remaining_tokens):
+        out = replace(out, limit_tokens=key.limit_tokens, remaining_tokens=key.remaining_tokens,
+                      reset_tokens_s=key.reset_tokens_s)
+    return out
 
 
 def _reset(newest: int, now: float) -> float:

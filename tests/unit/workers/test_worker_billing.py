@@ -63,7 +63,7 @@ async def test_usage_is_kept_until_acknowledged_and_orphaned_when_the_channel_cl
 
 
 async def test_a_cancelled_request_keeps_its_abort_usage(worker) -> None:
-    client, engine = worker
+    client, _ = worker
     ledger = client.app[BILLING_KEY].ledger
     async with client.ws_connect("/internal/channel") as ws:
         await ws.send_bytes(orjson.dumps({"op": "generate", "id": 7, "body": body("stopped", max_tokens=10_000)}))
