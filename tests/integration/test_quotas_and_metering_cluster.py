@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -131,5 +132,88 @@ async def test_metering_survives_a_gateway_sigkill(tmp_path: Path, postgres_sche
         assert len(billed) == len(rows)  # no duplicates
         for request_id, tokens in finished.items():
             assert billed.get(request_id) == tokens, request_id
+    finally:
+        cluster.stop()
+
+
+def usage_by_request(database_url: str) -> dict[str, list[tuple[str, int]]]:
+    engine = create_engine(database_url)
+    with engine.connect() as connection:
+        rows = connection.execute(text("SELECT request_id, status, completion_tokens FROM usage_events")).all()
+    engine.dispose()
+    found: dict[str, list[tuple[str, int]]] = {}
+    for request_id, status, completion in rows:
+        found.setdefault(request_id, []).append((status, completion))
+    return found
+
+
+async def test_streams_in_flight_at_a_gateway_sigkill_are_billed_exactly_once(
+        tmp_path: Path, postgres_schema, cluster_env) -> None:
+    """16 streams have each received tokens when their gateway is SIGKILLed: the worker keeps what
+    it generated for them, and the restarted gateway bills every one (`gateway_lost`), at least what
+    its client received, exactly once; the month's report matches the rows."""
+    from accounting.db import session_factory
+    from accounting.reports import usage_report
+
+    database_url, _ = postgres_schema
+    key = prepare_tenant(database_url)
+    cluster = Cluster.start(tmp_path, database_url, delay_s=0.05, **cluster_env)
+    try:
+        url = cluster.start_gateway()
+        port = int(url.rsplit(":", 1)[1])
+        headers = {"Authorization": f"Bearer {key}"}
+        outcomes: list[dict] = [{} for _ in range(16)]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=60)) as session:
+            clients = asyncio.gather(*(stream_one(session, url, headers, o, 200) for o in outcomes))
+            while not all(o.get("tokens") for o in outcomes) and not clients.done():
+                await asyncio.sleep(0.01)
+            cluster.kill_gateway(port)
+            await clients
+        assert not any(o.get("done") for o in outcomes)  # every stream was cut mid-way
+        cluster.start_gateway(port)  # bills its predecessor's orphans before it serves
+        rows = usage_by_request(database_url)
+        for outcome in outcomes:
+            [(status, completion)] = rows[outcome["id"]]
+            assert status == "gateway_lost" and completion >= outcome["tokens"], (outcome, status, completion)
+        assert cluster.worker_info()["usage_ledger"] == {"unacknowledged": 0, "orphans": 0}
+        engine = create_engine(database_url)
+        with session_factory(engine)() as db:
+            report = usage_report(db, datetime.now(UTC).strftime("%Y-%m"))
+        engine.dispose()
+        assert sum(r.requests for r in report.rows) == len(rows) == 16
+        assert sum(r.completion_tokens for r in report.rows) == sum(c for v in rows.values() for _, c in v)
+    finally:
+        cluster.stop()
+
+
+async def test_a_spent_budget_survives_a_gateway_kill_and_a_redis_flush(
+        tmp_path: Path, postgres_schema, cluster_env, redis_url: str) -> None:
+    import redis as redis_sync
+
+    database_url, _ = postgres_schema
+    key = prepare_tenant(database_url, monthly_token_budget=300)
+    cluster = Cluster.start(tmp_path, database_url, **cluster_env)
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def ask(url: str) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{url}/v1/chat/completions", headers=headers, json=chat(max_tokens=40)) as r:
+            return r.status, await r.json()
+
+    try:
+        url = cluster.start_gateway()
+        statuses = [(await ask(url))[0] for _ in range(8)]
+        assert 200 in statuses and statuses[-1] == 429
+        port = int(url.rsplit(":", 1)[1])
+        cluster.kill_gateway(port)
+        url = cluster.start_gateway(port)
+        status, body = await ask(url)
+        assert status == 429 and body["error"]["code"] == "insufficient_quota"
+        client = redis_sync.from_url(redis_url)
+        client.flushdb()  # Redis loses every quota key (FLUSHDB of the test database)
+        client.close()
+        status, body = await ask(url)
+        assert status == 429 and body["error"]["code"] == "insufficient_quota"
     finally:
         cluster.stop()
