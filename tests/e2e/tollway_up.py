@@ -49,6 +49,10 @@ class Tollway:
         [pid] = child_pids(f"ops.cli worker --port {self.worker_port + index}")
         return pid
 
+    def gateway_pid(self) -> int:
+        [pid] = child_pids(f"ops.cli gateway --port {self.port}")
+        return pid
+
     def wait_healthy(self, workers: int, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
