@@ -13,6 +13,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits
+from workers.precision import resolve_dtype
 from workers.wire.sampling import SamplingParams
 from workers.wire.tokenizer import TextTokenizer
 
@@ -89,3 +90,34 @@ def test_bf16_teacher_forced_agreement(fp32, smollm2_folder, prompts, hf_greedy)
         agree += int((want == got).sum())
         total += len(want)
     assert agree / total >= 0.98, f"bf16 agreed on {agree}/{total} next tokens"
+
+
+@pytest.fixture(scope="module")
+def auto(smollm2_folder: Path, fp32: LoadedModel) -> LoadedModel:
+    """The model at the default precision (`auto`: bf16 where the CPU computes it natively)."""
+    dtype = resolve_dtype("auto", "cpu")
+    return fp32 if dtype == torch.float32 else load_model(smollm2_folder, dtype)
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_default_precision_tracks_fp32_in_every_regime(fp32, auto, prompts, hf_greedy, regime: str) -> None:
+    """What users run: at `auto` precision every regime's greedy tokens are fp32's argmax, teacher
+    forced on the engine's own output, at >= 98% of positions (exactly, when `auto` is fp32)."""
+    engine = Engine(auto, REGIMES[regime])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for _ in range(2 if regime == "prefix-hits" else 1):
+        seqs = engine.generate_batch(prompts, params)
+        engine.check_integrity()
+        assert engine.all_blocks_free_or_evictable()
+    if auto is fp32:
+        assert [s.output_ids for s in seqs] == hf_greedy
+        return
+    agree = total = 0
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        if not seq.output_ids:
+            continue
+        text = prompt + seq.output_ids
+        want = prefill_logits(fp32.model, [text])[0].argmax(-1)[len(prompt) - 1 : len(text) - 1]
+        agree += sum(int(w) == g for w, g in zip(want.tolist(), seq.output_ids, strict=True))
+        total += len(seq.output_ids)
+    assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
