@@ -1,36 +1,40 @@
-"""A soak at a steady rate under real `tollway up` (one worker, the default model): open-loop
-arrivals at SOAK_RATE requests/s for TOLLWAY_SOAK_S seconds (default 120; 600 for the table), a
-mix of streamed and non-streamed chats with short max_tokens, some sharing a system prompt (so the
-prefix cache is exercised) and some not. Traffic only to loopback, bounded in count
-(rate × duration) and time (each request 60 s at most).
+"""A soak at a steady rate under real `tollway up` (one worker, the default model).
 
-What must hold: error rate 0; gateway and worker RSS (VmRSS of the supervisor's children) grow by
-less than RSS_BOUND_MB between the end of the warm-up and the end; no KV block leaked (the worker's
-/internal/info afterwards: every block free or evictable cache, nothing running); p99 latency of the
-last third at most 2× that of the first third (plus 50 ms for timer noise)."""
+Open-loop arrivals at TOLLWAY_SOAK_RATE requests/s (`auto`: 70% of the capacity measured first,
+closed loop, on the same mix) for TOLLWAY_SOAK_S seconds (default 120; 1800 for the table in
+ops/RELIABILITY.md): streamed and non-streamed chats with short max_tokens, streams their client
+cancels after the first chunk, half sharing a system prompt; beside them keys are created, used
+and revoked every few seconds, and a small batch is submitted every minute (soak_traffic.py).
+
+What must hold: no 5xx and no unexpected error; every admitted request has exactly one usage row,
+and every batch line too; a revoked key is refused; gateway and worker RSS (VmRSS of the
+supervisor's children) grow by at most 5% between the end of the warm-up and the end; no KV block
+leaked; p99 latency of the last window at most 1.2x the first window's (windows of 5 minutes on runs
+of 15 minutes or more; on the short CI run, thirds, at most 2x + 50 ms: two minutes on a shared host
+are too short a sample for the tight bound)."""
 
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import requests
+from sqlalchemy import create_engine, text
 
 from tests.e2e.tollway_up import Tollway, child_pids, start_tollway
 from tests.net import get_json
-from tests.reliability.stack import MODEL, headers
+from tests.reliability.soak_traffic import BatchFeeder, KeyChurn, Outcome, one_request
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 SOAK_S = float(os.environ.get("TOLLWAY_SOAK_S", "120"))
-SOAK_RATE = float(os.environ.get("TOLLWAY_SOAK_RATE", "3"))  # requests/s the 2-core machine sustains
-RSS_BOUND_MB = {"gateway": 40, "worker": 80}
+SOAK_RATE = os.environ.get("TOLLWAY_SOAK_RATE", "3")  # requests/s, or "auto" (70% of measured capacity)
+RSS_GROWTH_BOUND = 0.05
 WARMUP_S = 10
-SYSTEM = "You are a terse assistant for the soak test. Answer in one short sentence. " * 4
+LONG_RUN_S = 900
+WINDOW_S = 300
 
 
 def rss_mb(pid: int) -> float:
@@ -45,28 +49,34 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def one_request(url: str, key: str, i: int) -> tuple[float, str | None]:
-    rng = random.Random(i)
-    messages = [{"role": "user", "content": f"Question {i}: what is {rng.randrange(1000)} plus {rng.randrange(1000)}?"}]
-    if i % 2 == 0:
-        messages.insert(0, {"role": "system", "content": SYSTEM})
-    stream = i % 3 == 0
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0.7, "seed": i, "stream": stream}
-    started = time.perf_counter()
-    try:
-        with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers(key), stream=stream,
-                           timeout=60) as response:
-            if response.status_code != 200:
-                return time.perf_counter() - started, f"{response.status_code}: {response.text[:200]}"
-            if stream:
-                lines = [line for line in response.iter_lines() if line.startswith(b"data: ")]
-                if lines[-1] != b"data: [DONE]" or any(b'"error"' in line for line in lines):
-                    return time.perf_counter() - started, f"bad stream end: {lines[-2:]}"
-            else:
-                response.json()["choices"][0]["message"]
-    except requests.RequestException as exc:
-        return time.perf_counter() - started, repr(exc)
-    return time.perf_counter() - started, None
+def capacity(url: str, key: str, seconds: float = 30.0, clients: int = 16) -> float:
+    """Requests/s of the same mix, closed loop."""
+    done: list[Outcome] = []
+    stop = time.monotonic() + seconds
+
+    def client(c: int) -> None:
+        i = 5_000_000 + c
+        while time.monotonic() < stop:
+            done.append(one_request(url, key, i, 0.0))
+            i += clients
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(done) / (time.monotonic() - started)
+
+
+def usage_rows(home: Path) -> dict[str, int]:
+    engine = create_engine(f"sqlite:///{home / 'tollway.db'}")
+    with engine.connect() as connection:
+        rows = connection.execute(text("SELECT request_id, count(*) FROM usage_events GROUP BY request_id")).all()
+        lines = connection.execute(text("SELECT batch_id, count(*) FROM usage_events WHERE batch_id IS NOT NULL "
+                                        "GROUP BY batch_id")).all()
+    engine.dispose()
+    return {**dict(rows), **{f"batch:{b}": n for b, n in lines}}
 
 
 @pytest.fixture(scope="module")
@@ -78,54 +88,87 @@ def tollway(smollm2_folder: Path, model_home: Path, tmp_path_factory: pytest.Tem
 
 def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
     key = tollway.new_key("soak")
+    tollway.cli("tenants", "create", "churn")
+    admin_key = (tollway.home / "admin.key").read_text().strip()
+    rate = 0.7 * capacity(tollway.base_url, key) if SOAK_RATE == "auto" else float(SOAK_RATE)
     [gateway_pid] = child_pids(f"ops.cli gateway --port {tollway.port}")
     pids = {"gateway": gateway_pid, "worker": tollway.worker_pid(0)}
-    worker_url = f"http://127.0.0.1:{tollway.worker_port}"
-    total = int(SOAK_S * SOAK_RATE)
-    results: list[tuple[float, float, str | None]] = []  # (sent at, latency, error)
+    total = int(SOAK_S * rate)
+    results: list[Outcome] = []
     lock = threading.Lock()
     baseline: dict[str, float] = {}
     peak = {name: 0.0 for name in pids}
+    churn = KeyChurn(tollway.base_url, admin_key, "churn")
+    batches = BatchFeeder(tollway.base_url, key)
+    side = [threading.Thread(target=churn.run, daemon=True), threading.Thread(target=batches.run, daemon=True)]
 
     def send(i: int, sent_at: float) -> None:
-        latency, error = one_request(tollway.base_url, key, i)
+        outcome = one_request(tollway.base_url, key, i, sent_at)
         with lock:
-            results.append((sent_at, latency, error))
+            results.append(outcome)
 
     started = time.monotonic()
-    with ThreadPoolExecutor(16) as pool:
+    for thread in side:
+        thread.start()
+    with ThreadPoolExecutor(32) as pool:
         for i in range(total):
-            due = started + i / SOAK_RATE
+            due = started + i / rate
             time.sleep(max(0.0, due - time.monotonic()))
             pool.submit(send, i, due - started)
             if not baseline and time.monotonic() - started >= WARMUP_S:
                 baseline = {name: rss_mb(pid) for name, pid in pids.items()}
-            if i % int(SOAK_RATE * 5) == 0:
+            if i % max(1, int(rate * 5)) == 0:
                 for name, pid in pids.items():
                     peak[name] = max(peak[name], rss_mb(pid))
+    churn.stop()
+    ended = batches.finish()
     elapsed = time.monotonic() - started
     final = {name: rss_mb(pid) for name, pid in pids.items()}
     assert [tollway.worker_pid(0), child_pids(f"ops.cli gateway --port {tollway.port}")] == \
         [pids["worker"], [pids["gateway"]]], "a child was restarted during the soak"
 
-    errors = [error for _, _, error in results if error]
+    everything = results + churn.outcomes
+    server_errors = [o for o in everything if o.status >= 500]
+    errors = [o.error for o in everything if o.error]
     assert len(results) == total
-    assert not errors, f"{len(errors)} of {total} failed: {errors[:3]}"
-    growth = {name: final[name] - baseline[name] for name in pids}
-    for name, bound in RSS_BOUND_MB.items():
-        assert growth[name] < bound, f"{name} RSS grew {growth[name]:.1f} MB (bound {bound} MB)"
+    assert not server_errors and not errors, f"{len(errors)} of {len(everything)} failed: {errors[:3]}"
+    assert not churn.problems and churn.cycles > 0, churn.problems[:3]
+    assert not batches.problems and all(b["status"] == "completed" for b in ended.values()) and \
+        len(ended) == len(batches.batch_ids), (batches.problems[:3], ended)
 
-    info = get_json(f"{worker_url}/internal/info")
+    # Exactly one usage row per admitted request (the cancelled ones included) and per batch line.
+    deadline = time.monotonic() + 30
+    admitted = [o.request_id for o in everything if o.request_id]
+    while (missing := [r for r in admitted if r not in (rows := usage_rows(tollway.home))]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not missing, f"{len(missing)} admitted requests without a usage row"
+    assert all(rows[r] == 1 for r in admitted)
+    for batch_id, batch in ended.items():
+        assert rows[f"batch:{batch_id}"] == batch["request_counts"]["completed"]
+
+    growth = {name: (final[name] - baseline[name]) / baseline[name] for name in pids}
+    for name in pids:
+        assert growth[name] <= RSS_GROWTH_BOUND, f"{name} RSS grew {growth[name]:.1%}"
+    info = get_json(f"http://127.0.0.1:{tollway.worker_port}/internal/info")
     blocks = info["blocks"]
     assert info["running"] == 0 and info["waiting"] == 0, info
     assert blocks["free"] + blocks["evictable"] == blocks["total"], f"KV blocks leaked: {blocks}"
 
-    ordered = sorted(results)
-    third = len(ordered) // 3
-    first, last = [r[1] for r in ordered[:third]], [r[1] for r in ordered[-third:]]
-    assert p99(last) <= 2 * p99(first) + 0.05, (p99(first), p99(last))
-    print(f"\nsoak {elapsed:.0f} s at {SOAK_RATE}/s: {total} requests, 0 errors; p50 {sorted(r[1] for r in results)[total // 2] * 1000:.0f} ms; "
-          f"p99 first third {p99(first) * 1000:.0f} ms, last third {p99(last) * 1000:.0f} ms; "
-          f"RSS MB baseline→final (peak): " + ", ".join(
-              f"{n} {baseline[n]:.0f}→{final[n]:.0f} ({peak[n]:.0f})" for n in pids)
-          + f"; blocks {blocks}")
+    ordered = sorted(results, key=lambda o: o.sent_at)
+    if SOAK_S >= LONG_RUN_S:
+        first = [o.latency for o in ordered if o.sent_at < WINDOW_S]
+        last = [o.latency for o in ordered if o.sent_at >= SOAK_S - WINDOW_S]
+        bound = 1.2 * p99(first)
+    else:
+        third = len(ordered) // 3
+        first, last = [o.latency for o in ordered[:third]], [o.latency for o in ordered[-third:]]
+        bound = 2 * p99(first) + 0.05
+    assert p99(last) <= bound, (p99(first), p99(last))
+    latencies = sorted(o.latency for o in results)
+    print(f"\nsoak {elapsed:.0f} s at {rate:.2f}/s: {total} requests + {churn.cycles} key cycles + "
+          f"{sum(b['request_counts']['total'] for b in ended.values())} batch lines; 0 errors, 0 5xx; "
+          f"usage rows = admitted requests ({len(admitted)}); p50 {latencies[len(latencies) // 2] * 1000:.0f} ms; "
+          f"p99 first window {p99(first) * 1000:.0f} ms, last {p99(last) * 1000:.0f} ms; RSS MB baseline→final "
+          f"(peak): " + ", ".join(f"{n} {baseline[n]:.0f}→{final[n]:.0f} ({peak[n]:.0f}, {growth[n]:+.1%})"
+                                  for n in pids) + f"; blocks {blocks}")
