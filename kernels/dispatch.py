@@ -52,7 +52,7 @@ def paged_attention(
 
 def _backend_module(backend: Backend) -> ModuleType:
     if backend == "triton":
-        from kernels import triton_ops  # imported on first use: CPU runs never build a kernel
+        from kernels import triton as triton_backend  # imported on first use: CPU runs never build a kernel
 
-        return triton_ops
+        return triton_backend
     return cpu if backend == "cpu" else reference

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_cascade import cascade_decode, plan_cascade
-from kernels.cpu_common import GatherBuffers, per_sequence, visibility_mask
+from kernels.cpu.cascade import cascade_decode, plan_cascade
+from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
 from kernels.metadata import PagedAttentionMetadata
 
 
