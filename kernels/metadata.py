@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+
+Backend = Literal["reference", "cpu", "triton"]
+BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "triton")
 
 
 @dataclass
@@ -30,6 +34,8 @@ class PagedAttentionMetadata:
     query_lens_list: list[int]
     context_lens_list: list[int]
     block_tables_list: list[list[int]]
+    # The backend that runs this step (kernels/dispatch.py); None: chosen by device by the first layer.
+    backend: Backend | None = None
     # Per-step preparations of a backend (gather indices, masks), keyed by backend and dtype and
     # made by the first layer that needs them; owned by the backend that wrote them.
     prepared: dict[object, object] = field(default_factory=dict)
@@ -54,6 +60,7 @@ class PagedAttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        backend: Backend | None = None,
     ) -> PagedAttentionMetadata:
         if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
             raise ValueError("need one query length, context length and block table per sequence (at least one)")
@@ -90,6 +97,7 @@ class PagedAttentionMetadata:
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
+            backend=backend,
         )
 
     def extend_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

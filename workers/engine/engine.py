@@ -16,6 +16,7 @@ from opentelemetry.trace import Tracer
 from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.radix_tree import RadixPrefixTree
+from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine.detokenize import OutputText
 from workers.engine.params import SamplingParams
 from workers.engine.phase_spans import PhaseSpans, TraceParent
@@ -59,6 +60,7 @@ class EngineConfig:
     max_running: int = 64
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
+    attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
 
 
 class Engine:
@@ -74,7 +76,8 @@ class Engine:
                 c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
         self.pool = BlockPool(num_blocks, config.block_size)
         self.tree = RadixPrefixTree(self.pool)
-        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size))
+        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
+                                  select_backend(model.device, config.attention))
         self.scheduler = Scheduler(self.pool, self.tree, config.max_batch_tokens, config.max_running,
                                    config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)

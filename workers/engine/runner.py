@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 
 from cache.kv_storage import KVStorage
-from kernels.metadata import PagedAttentionMetadata
+from kernels.metadata import Backend, PagedAttentionMetadata
 from workers.engine.request import Sequence
 from workers.engine.scheduler import ScheduledBatch
 from workers.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None) -> None:
         self.model, self.kv = model, kv
+        self.backend = backend  # the attention backend of every step; None: by device
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the batch's new tokens; returns the sequences that reached their newest token
@@ -30,7 +31,8 @@ class ModelRunner:
             if end == seq.total_len:
                 sampling_rows.append(row)
         device = self.model.device
-        meta = PagedAttentionMetadata.build(batch.num_new, context_lens, tables, self.kv.block_size, device)
+        meta = PagedAttentionMetadata.build(batch.num_new, context_lens, tables, self.kv.block_size, device,
+                                            backend=self.backend)
         last_token = (meta.query_start[1:] - 1).long()
         wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)

@@ -16,7 +16,7 @@ import torch
 
 from kernels import cpu, reference
 from kernels.dispatch import paged_attention, select_backend
-from kernels.metadata import PagedAttentionMetadata
+from kernels.metadata import Backend, PagedAttentionMetadata
 
 GROUPS, HEAD_DIMS, BLOCK_SIZES, DTYPES = (1, 3, 4), (64, 128), (16, 32), (torch.float32, torch.bfloat16)
 # (q heads per KV head, head dim, block size, dtype, batch): each value of each axis at least once
@@ -131,7 +131,7 @@ def test_triton_store_skips_negative_slots() -> None:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_mixed_step_through_dispatch(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+def test_mixed_step_through_dispatch(backend: Backend) -> None:
     """Decodes and extends in one step: store, then each part to its op, in token order."""
     torch.manual_seed(3)
     block_size, head_dim = 16, 64
@@ -144,10 +144,9 @@ def test_mixed_step_through_dispatch(monkeypatch: pytest.MonkeyPatch, backend: s
     q = torch.randn(meta.num_tokens, 3 * NUM_KV_HEADS, head_dim)
     k, v = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim), torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim)
 
-    def run(name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        monkeypatch.setenv("TOLLWAY_ATTENTION", name)
+    def run(name: Backend) -> tuple[torch.Tensor, list[torch.Tensor]]:
         step_caches = [c.clone() for c in caches]
-        fresh_meta = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size)
+        fresh_meta = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size, backend=name)
         return paged_attention(q, k, v, *step_caches, fresh_meta, head_dim**-0.5), step_caches
 
     if backend == "triton":
@@ -158,15 +157,12 @@ def test_mixed_step_through_dispatch(monkeypatch: pytest.MonkeyPatch, backend: s
     assert all(torch.equal(a, b) for a, b in zip(got_caches, expected_caches, strict=True))
 
 
-def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOLLWAY_ATTENTION", raising=False)
+def test_backend_selection() -> None:
     assert select_backend(torch.device("cpu")) == "cpu"
     assert select_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv("TOLLWAY_ATTENTION", "reference")
-    assert select_backend(torch.device("cuda")) == "reference"
-    monkeypatch.setenv("TOLLWAY_ATTENTION", "flash")
+    assert select_backend(torch.device("cuda"), "reference") == "reference"
     with pytest.raises(ValueError, match="TOLLWAY_ATTENTION"):
-        select_backend(torch.device("cpu"))
+        select_backend(torch.device("cpu"), "flash")
 
 
 def test_metadata_positions_and_slots() -> None:
