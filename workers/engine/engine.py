@@ -15,7 +15,7 @@ from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
-from cache.radix_tree import RadixPrefixTree
+from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine.detokenize import OutputText
 from workers.engine.params import SamplingParams
@@ -74,12 +74,10 @@ class Engine:
         num_blocks = config.num_blocks or max(
             1, config.kv_budget_bytes // KVStorage.bytes_per_block(
                 c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.tree = RadixPrefixTree(self.pool)
+        self.cache = KVCacheManager(num_blocks, config.block_size)
         self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
                                   select_backend(model.device, config.attention))
-        self.scheduler = Scheduler(self.pool, self.tree, config.max_batch_tokens, config.max_running,
-                                   config.max_wait_s)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
@@ -183,7 +181,7 @@ class Engine:
                 child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace,
                                  parent.priority, index=index, arrival_time=parent.arrival_time)
                 child.generator = self._generator(parent.params, index)
-                child.block_table = parent.block_table.fork()
+                child.block_table = self.cache.fork(parent.block_table)
                 child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
                 child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
                 self.scheduler.adopt_running(child)
@@ -255,13 +253,12 @@ class Engine:
     # -- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
-        self.pool.check_integrity(self.scheduler.holders())
-        self.tree.check_integrity()
+        self.scheduler.check_integrity()
 
     def kv_utilization(self) -> tuple[int, int]:
         """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""
         filled: dict[int, int] = {}
-        bs = self.pool.block_size
+        bs = self.cache.block_size
         for seq in self.scheduler.running:
             if seq.block_table is None:
                 continue
@@ -272,15 +269,16 @@ class Engine:
 
     def info(self) -> dict[str, object]:
         held, capacity = self.kv_utilization()
+        stats = self.cache.stats()
         return {
             "model": self.name,
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
             "context_length": self.max_context,
-            "block_size": self.pool.block_size,
-            "blocks": {"total": self.pool.num_blocks, "free": self.pool.num_free, "used": self.pool.num_used,
-                       "evictable": self.pool.num_evictable},
+            "block_size": stats.block_size,
+            "blocks": {"total": stats.num_blocks, "free": stats.num_free, "used": stats.num_used,
+                       "evictable": stats.num_evictable},
             "kv_utilization": held / capacity if capacity else None,
-            "cache": {ns: vars(stats).copy() for ns, stats in self.tree.stats.items()},
+            "cache": stats.namespaces,
             "finished": dict(self.finished_counts),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -288,7 +286,12 @@ class Engine:
         }
 
     def all_blocks_free_or_evictable(self) -> bool:
-        return self.pool.num_free + self.pool.num_evictable == self.pool.num_blocks
+        return self.cache.all_free_or_evictable()
+
+    @property
+    def pool(self) -> BlockPool:
+        """The cache's block pool (read-only use: tests and benchmarks look at ref counts and sizes)."""
+        return self.cache.pool
 
     @property
     def num_running(self) -> int:

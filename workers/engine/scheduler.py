@@ -24,9 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cache.block_pool import BlockPool
-from cache.block_table import BlockTable
-from cache.radix_tree import RadixPrefixTree
+from cache.manager import KVCacheManager
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 
 
@@ -48,10 +46,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, tree: RadixPrefixTree, max_batch_tokens: int = 512, max_running: int = 64,
-        max_wait_s: float = 30.0,
+        self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
     ) -> None:
-        self.pool, self.tree = pool, tree
+        self.cache = cache  # the block pool + prefix tree pair; every block goes through it
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -73,7 +70,7 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> list[Sequence]:
         for seq in self.waiting:
-            seq.match_hint = self.tree.peek(seq.namespace, seq.all_ids)
+            seq.match_hint = self.cache.peek(seq.namespace, seq.all_ids)
 
         def key(seq: Sequence) -> tuple:
             if now - seq.arrival_time > self.max_wait_s:  # aged: first come, first served
@@ -105,7 +102,7 @@ class Scheduler:
         # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
         # block is the same would compute that prefix twice, so it waits and then hits the blocks
         # the first one commits.
-        bs = self.pool.block_size
+        bs = self.cache.block_size
         in_flight = {  # running prefills count too (not those sitting out): their next block is committed soon
             (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
             for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
@@ -130,7 +127,7 @@ class Scheduler:
         """Blocks for num_new more tokens, preempting newer sequences if needed; None if seq lost its place."""
         table = seq.block_table
         assert table is not None
-        while not self.pool.can_allocate(table.blocks_needed(num_new)):
+        while not self.cache.can_grow(table, num_new):
             victim = max((s for s in self.running if s.status is Status.RUNNING),
                          key=lambda s: (s.priority, s.arrival_order))  # batch first, then the newest
             if victim is seq and len(self.running) == 1:
@@ -140,26 +137,15 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return None
-        return table.append(num_new)
+        return self.cache.grow(table, num_new)
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
-        match = self.tree.match(seq.namespace, seq.all_ids)
-        partial = self.tree.match_partial_block(seq.namespace, seq.all_ids, match)
-        self.tree.lock(match.handle)  # the request now holds one reference on each matched block
-        block_ids, cached, copies = list(match.block_ids), match.cached_len, []
-        if partial is not None and self.pool.can_allocate(1):
-            # The prompt continues into part of a cached block: copy that block into one of our
-            # own and skip its first k tokens. Copies run before the step writes anything, so
-            # the source is intact even if this very allocation evicted it.
-            source, k = partial
-            block_ids += self.pool.allocate(1)
-            cached += k
-            copies = [(source, block_ids[-1])]
-        table = BlockTable(self.pool, block_ids, cached)
+        hit = self.cache.match_and_lock(seq.namespace, seq.all_ids)  # seq now holds the matched blocks
+        table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
-        if not self.pool.can_allocate(table.blocks_needed(num_new)):
-            table.release()
+        if not self.cache.can_grow(table, num_new):
+            self.cache.release(table)
             if not self.running:  # nothing will ever free blocks for it
                 self.waiting.remove(seq)
                 self.finish(seq, FinishReason.LENGTH)
@@ -170,11 +156,11 @@ class Scheduler:
         seq.cached_len = seq.computed_len = cached
         if seq.num_preemptions == 0:
             seq.prompt_cached_len = min(cached, seq.prompt_len)
-        seq.committed_blocks = match.cached_len // self.pool.block_size
+        seq.committed_blocks = hit.num_matched_blocks
         seq.status = Status.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-        batch.add(seq, num_new, copies + table.append(num_new))
+        batch.add(seq, num_new, hit.copies + self.cache.grow(table, num_new))
         return num_new
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -182,10 +168,10 @@ class Scheduler:
         requests sharing its prefix hit them while it is still running (the tree adds its own
         references; full blocks are never written again)."""
         table = seq.block_table
-        full_blocks = seq.computed_len // self.pool.block_size
+        full_blocks = seq.computed_len // self.cache.block_size
         if table is None or full_blocks <= seq.committed_blocks:
             return
-        self.tree.insert(seq.namespace, seq.all_ids[: full_blocks * self.pool.block_size], table.block_ids)
+        self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
         seq.committed_blocks = full_blocks
 
     # -- leaving ----------------------------------------------------------------------------------
@@ -194,8 +180,7 @@ class Scheduler:
         table = seq.block_table
         if table is None:
             return
-        self.tree.insert(seq.namespace, seq.all_ids[: seq.computed_len], table.block_ids)
-        table.release()
+        self.cache.cache_and_release(seq.namespace, seq.all_ids[: seq.computed_len], table)
         seq.block_table = None
 
     def preempt(self, seq: Sequence) -> None:
@@ -215,10 +200,6 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def holders(self) -> dict[int, int]:
-        """block id -> number of running sequences holding it (for the pool's integrity check)."""
-        counts: dict[int, int] = {}
-        for seq in self.running:
-            for block in seq.block_table.block_ids if seq.block_table else []:
-                counts[block] = counts.get(block, 0) + 1
-        return counts
+    def check_integrity(self) -> None:
+        """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
+        self.cache.check_integrity(seq.block_table for seq in self.running if seq.block_table is not None)
