@@ -32,16 +32,41 @@ from workers.engine.request import FinishReason, Priority, Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # one-token sequences first
     num_new: list[int] = field(default_factory=list)  # tokens each runs this step
+    # whether each reaches its newest token this step (computed_len + num_new == total_len): it samples
+    samples: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
 
     def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
+        self.samples.append(seq.computed_len + num_new == seq.total_len)
         self.block_copies.extend(copies)
 
     def ordered(self) -> ScheduledBatch:
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new[i] != 1)
-        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order], self.block_copies)
+        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order],
+                              [self.samples[i] for i in order], self.block_copies)
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that sample after this step, in batch order (the rows of the step's logits)."""
+        return [seq for seq, samples in zip(self.seqs, self.samples, strict=True) if samples]
+
+
+@dataclass(frozen=True)
+class Fork:
+    parent: Sequence
+    child: Sequence  # already running, sharing the parent's blocks
+    row: int  # the parent's row in the step's logits: the child draws its first token from it
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` leaves to sample: the batch's sampling sequences (one per row of
+    the step's logits), and the choices forked from them this step."""
+
+    sampling: list[Sequence]
+    forks: list[Fork]
 
 
 class Scheduler:
@@ -52,7 +77,7 @@ class Scheduler:
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.finished_by_scheduler: list[Sequence] = []  # finished here (could never fit); the engine reports them
+        self._finished: list[Sequence] = []  # finished here (could never fit) until `take_finished`
         self.preemptions = 0  # since start (metrics; the engine's phase spans watch it change)
 
     # -- queue ----------------------------------------------------------------------------------
@@ -132,7 +157,7 @@ class Scheduler:
                          key=lambda s: (s.priority, s.arrival_order))  # batch first, then the newest
             if victim is seq and len(self.running) == 1:
                 self.finish(seq, FinishReason.LENGTH)  # cannot fit even alone
-                self.finished_by_scheduler.append(seq)
+                self._finished.append(seq)
                 return None
             self.preempt(victim)
             if victim is seq:
@@ -149,7 +174,7 @@ class Scheduler:
             if not self.running:  # nothing will ever free blocks for it
                 self.waiting.remove(seq)
                 self.finish(seq, FinishReason.LENGTH)
-                self.finished_by_scheduler.append(seq)
+                self._finished.append(seq)
                 return 0  # keep admitting others
             return None
         seq.block_table = table
@@ -163,7 +188,43 @@ class Scheduler:
         batch.add(seq, num_new, hit.copies + self.cache.grow(table, num_new))
         return num_new
 
-    def commit_computed(self, seq: Sequence) -> None:
+    def take_finished(self) -> list[Sequence]:
+        """Sequences the scheduler itself finished (`length`: they can never fit) since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    # -- after the model ran --------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch) -> StepUpdate:
+        """After the model ran `batch`: advance each sequence's computed length, commit its newly
+        computed whole blocks, and fork the pending choices (n > 1) of the sequences whose prompt
+        is now computed. Runs before sampling: forked choices draw their first token from their
+        parent's logits in the same draw."""
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.computed_len += n
+            self._commit_computed(seq)
+        sampling = batch.sampling
+        forks = []
+        for row, parent in enumerate(sampling):
+            if parent.pending_forks == 0 or parent.block_table is None:
+                continue
+            for index in range(1, parent.pending_forks + 1):
+                forks.append(Fork(parent, self._fork(parent, index), row))
+            parent.pending_forks = 0
+        return StepUpdate(sampling, forks)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Choice `index` of parent's request: shares every block (copy-on-write for the partly
+        filled last one) and every length; it runs from now on."""
+        assert parent.block_table is not None
+        child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace, parent.priority,
+                         index=index, arrival_time=parent.arrival_time)
+        child.block_table = self.cache.fork(parent.block_table)
+        child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
+        child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
+        self.adopt_running(child)
+        return child
+
+    def _commit_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed whole blocks to the tree right away, so that
         requests sharing its prefix hit them while it is still running (the tree adds its own
         references; full blocks are never written again)."""
@@ -199,6 +260,22 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        """The request's open choices: running ones, then waiting ones."""
+        return [s for s in self.running + self.waiting if s.request_id == request_id]
+
+    def kv_utilization(self) -> tuple[int, int]:
+        """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""
+        filled: dict[int, int] = {}
+        bs = self.cache.block_size
+        for seq in self.running:
+            if seq.block_table is None:
+                continue
+            for i, block in enumerate(seq.block_table.block_ids):
+                in_block = min(max(seq.computed_len - i * bs, 0), bs)
+                filled[block] = max(filled.get(block, 0), in_block)
+        return sum(filled.values()), len(filled) * bs
 
     def check_integrity(self) -> None:
         """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
