@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.cascade import cascade_decode, plan_cascade
+from kernels.cpu.cascade import CascadePlan, cascade_decode, plan_cascade
 from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
 from kernels.metadata import PagedAttentionMetadata
 
@@ -151,12 +151,12 @@ def decode_step(
         if cascade_key not in meta.prepared:
             meta.prepared[cascade_key] = plan_cascade(
                 meta.block_tables_list[:d], meta.context_lens_list[:d], meta.block_size, q.dtype, q.device)
-        cascade = meta.prepared[cascade_key]
-        if cascade is not None:
+        cascade = meta.prepared[cascade_key]  # None: no shared prefix this step
+        if isinstance(cascade, CascadePlan):
             return cascade_decode(q, k_cache, v_cache, cascade, scale)
     key = ("cpu-decode", q.dtype, sliding_window)
     plan = meta.prepared.get(key)
-    if plan is None:
+    if not isinstance(plan, DecodePlan):  # not prepared yet by an earlier layer
         plan = meta.prepared[key] = prepare_decode(
             meta.block_tables[:d], meta.context_lens[:d], meta.block_size, q.dtype, sliding_window
         )
@@ -171,7 +171,7 @@ def extend_step(
     query_start, context_lens, block_tables = meta.extend_part()
     key = ("cpu-extend", q.dtype, sliding_window)
     plan = meta.prepared.get(key)
-    if plan is None:
+    if not isinstance(plan, list):  # not prepared yet by an earlier layer
         plan = meta.prepared[key] = prepare_extend(
             block_tables, query_start.tolist(), meta.context_lens_list[meta.num_decodes :], meta.block_size,
             q.dtype, sliding_window,
