@@ -6,6 +6,8 @@ over the batch, with the query heads of each KV head as that head's query rows (
 GQA) and an additive mask hiding keys past each sequence's length (or outside its window).
 Extend runs one SDPA per sequence: a sequence with no cached prefix attends over its new K/V as
 they are (plain causal), one with a prefix over its gathered context with an offset causal mask.
+`decode_step` reads a prefix shared by a group of decodes once (cascade.py) when there is one.
+`store_kv`, `decode_step` and `extend_step` are the backend interface the dispatch calls.
 
 Gather indices and masks depend only on the step, so they are built by the first layer and kept
 in `PagedAttentionMetadata.prepared` for the others (see `prepare_decode`, `prepare_extend`).

@@ -1,5 +1,9 @@
-"""The engine: one step = schedule, run the model, sample, detect stops, report deltas.
+"""The engine: one step = schedule, run the model, update request state, sample, detect stops,
+report deltas.
 
+Ownership: the scheduler (scheduler.py) owns the sequences' state and, through the KV cache facade
+(cache.manager.KVCacheManager), their blocks; the engine owns what a request needs beyond that:
+each choice's generator, detokenizer and spans, the stop checks, the deltas and the usage.
 Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
 """
 

@@ -1,4 +1,5 @@
-"""Runs a scheduled batch through the model: block copies, metadata, one forward, the logits to sample."""
+"""Runs a scheduled batch through the model: block copies, the step's metadata (on the engine's
+attention backend), one forward, the logits of the sequences that sample."""
 
 from __future__ import annotations
 

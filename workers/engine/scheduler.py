@@ -5,7 +5,7 @@ unfinished prefills in chunks. Waiting sequences are admitted in order of priori
 before batch), then longest cached prefix, then arrival; a sequence that has waited longer than
 `max_wait_s` goes ahead of every non-aged one (aging: no request waits without bound). Admission
 matches the prompt in the radix tree, locks the matched path and allocates blocks only for the
-rest.
+rest. Blocks come and go only through the cache facade (`cache.manager.KVCacheManager`).
 
 Batch priority yields: while any interactive sequence is running or waiting, batch sequences
 (running or waiting) sit out the step, keeping their blocks, unless they have aged past
@@ -15,8 +15,13 @@ to an interactive request's latency at most the remainder of the step it arrived
 When blocks run out, the newest running batch sequence is preempted by recompute (the newest
 interactive one only when no batch sequence runs): its computed whole blocks go into the prefix
 tree (so recomputing mostly hits the cache), its blocks are released, and it waits again with its
-output kept. A sequence that cannot fit even alone finishes with
-`length`. Finished and aborted sequences insert prompt + output into the tree, then release.
+output kept. A sequence that cannot fit even alone finishes with `length` (handed to the engine
+by `take_finished`). Finished and aborted sequences insert prompt + output into the tree, then
+release.
+
+After the model ran a step, `update` owns what changed: computed lengths, whole blocks committed
+to the tree while their sequence still runs (requests sharing the prefix hit them at once), and
+the forks of a request's other choices (n > 1) once its prompt is computed, sharing its blocks.
 """
 
 from __future__ import annotations
