@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "default",
         priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         self.engine.validate_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
