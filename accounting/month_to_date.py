@@ -34,13 +34,13 @@ def month_to_date_tokens(session: Session, tenant_id: int, month: int,
     """Prompt + completion tokens of the tenant's interactive requests started in `month`: the
     committed rows, plus `spooled` rows (the usage spool) that are not committed yet."""
     start, end = month_bounds(month)
-    committed = session.scalar(
+    committed: int = session.scalar(
         select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0)).where(
             UsageEvent.tenant_id == tenant_id, UsageEvent.batch_id.is_(None),
-            UsageEvent.started_at >= start, UsageEvent.started_at < end))
+            UsageEvent.started_at >= start, UsageEvent.started_at < end)) or 0
     pending = {r.request_id: r for r in spooled
                if r.tenant_id == tenant_id and r.batch_id is None and start <= r.started_at < end}
     if pending:
         present = set(session.scalars(select(UsageEvent.request_id).where(UsageEvent.request_id.in_(pending))))
         committed += sum(r.prompt_tokens + r.completion_tokens for rid, r in pending.items() if rid not in present)
-    return int(committed or 0)
+    return int(committed)

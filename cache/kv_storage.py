@@ -49,6 +49,7 @@ class KVStorage:
             if not 0.0 < memory_fraction <= 1.0:
                 raise ValueError("memory_fraction must be in (0, 1]")
             budget_bytes = int(available_memory_bytes(device) * memory_fraction)
+        assert budget_bytes is not None  # given, or made from the fraction just above
         per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         num_blocks = int(budget_bytes) // per_block
         if num_blocks < 1:

@@ -1,31 +1,35 @@
 """The one attention entry point the model calls: store the step's K/V, then attend.
 
-Backend by device: Triton kernels on CUDA, the torch CPU path elsewhere. `TOLLWAY_ATTENTION`
-overrides: `reference` forces the slow torch reference (for debugging a suspected kernel bug),
-`triton` forces the Triton kernels (on a CPU only under `TRITON_INTERPRET=1`), `cpu` the CPU path;
-`auto` (the default) picks by device. Decode sequences (the first `meta.num_decodes`) go to the
-decode op, the rest to the extend op.
+A step runs on the backend named in its metadata (`PagedAttentionMetadata.backend`), which the
+step's builder sets: the engine resolves its `attention` setting (`TOLLWAY_ATTENTION`, read by the
+worker's settings) once, when it is built, with `select_backend`. `reference` is the slow torch
+reference (for debugging a suspected kernel bug), `triton` the Triton kernels (on a CPU only under
+`TRITON_INTERPRET=1`), `cpu` the CPU path; `auto`, and a step built without a backend, pick by
+device: Triton on CUDA, the CPU path elsewhere. Decode sequences (the first `meta.num_decodes`) go
+to the backend's decode op, the rest to its extend op.
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Literal
 
 import torch
 
 from kernels import cpu, reference
-from kernels.metadata import PagedAttentionMetadata
+from kernels.metadata import BACKENDS, Backend, PagedAttentionMetadata
 
-Backend = Literal["reference", "cpu", "triton"]
-BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "triton")
+__all__ = ["BACKENDS", "AttentionChoice", "Backend", "paged_attention", "select_backend"]
+
+AttentionChoice = Literal["auto", "reference", "cpu", "triton"]
 
 
-def select_backend(device: torch.device) -> Backend:
-    forced = os.environ.get("TOLLWAY_ATTENTION", "auto").strip().lower()
-    if forced in BACKENDS:
-        return forced  # type: ignore[return-value]
+def select_backend(device: torch.device, choice: str = "auto") -> Backend:
+    """The backend for a model on `device`: `choice` itself unless it is `auto` (the default)."""
+    forced = choice.strip().lower()
+    for backend in BACKENDS:
+        if forced == backend:
+            return backend
     if forced != "auto":
         raise ValueError(f"TOLLWAY_ATTENTION must be auto, {', '.join(BACKENDS)}; got {forced!r}")
     return "triton" if device.type == "cuda" else "cpu"
@@ -36,9 +40,9 @@ def paged_attention(
     meta: PagedAttentionMetadata, scale: float, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] of the step's new tokens -> attention output [N, Hq, D]."""
-    backend = meta.prepared.get("backend")
-    if backend is None:
-        backend = meta.prepared["backend"] = select_backend(q.device)
+    backend = meta.backend
+    if backend is None:  # chosen by device once, by the first layer; the others reuse it
+        backend = meta.backend = select_backend(q.device)
     ops = _backend_module(backend)
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     d = meta.num_decodes
@@ -52,7 +56,7 @@ def paged_attention(
 
 def _backend_module(backend: Backend) -> ModuleType:
     if backend == "triton":
-        from kernels import triton_ops  # imported on first use: CPU runs never build a kernel
+        from kernels import triton as triton_backend  # imported on first use: CPU runs never build a kernel
 
-        return triton_ops
+        return triton_backend
     return cpu if backend == "cpu" else reference

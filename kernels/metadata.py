@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+
+Backend = Literal["reference", "cpu", "triton"]
+BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "triton")
 
 
 @dataclass
@@ -30,6 +34,8 @@ class PagedAttentionMetadata:
     query_lens_list: list[int]
     context_lens_list: list[int]
     block_tables_list: list[list[int]]
+    # The backend that runs this step (kernels/dispatch.py); None: chosen by device by the first layer.
+    backend: Backend | None = None
     # Per-step preparations of a backend (gather indices, masks), keyed by backend and dtype and
     # made by the first layer that needs them; owned by the backend that wrote them.
     prepared: dict[object, object] = field(default_factory=dict)
@@ -54,6 +60,7 @@ class PagedAttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        backend: Backend | None = None,
     ) -> PagedAttentionMetadata:
         if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
             raise ValueError("need one query length, context length and block table per sequence (at least one)")
@@ -68,21 +75,21 @@ class PagedAttentionMetadata:
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         max_blocks = max(len(t) for t in block_tables)
-        table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+        padded = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
         for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
+            padded[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
         q_lens = torch.as_tensor(list(query_lens), dtype=torch.int64)
         ctx_lens = torch.as_tensor(list(context_lens), dtype=torch.int64)
         query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
         positions = torch.arange(int(query_start[-1])) - query_start[seq_of_token] + (ctx_lens - q_lens)[seq_of_token]
-        blocks = table[seq_of_token, positions // block_size].long()
-        slots = blocks * block_size + positions % block_size
+        token_blocks = padded[seq_of_token, positions // block_size].long()
+        slots = token_blocks * block_size + positions % block_size
         return cls(
             query_start=query_start.to(device=device, dtype=torch.int32),
             context_lens=ctx_lens.to(device=device, dtype=torch.int32),
-            block_tables=table.to(device),
+            block_tables=padded.to(device),
             slot_mapping=slots.to(device),
             positions=positions.to(device),
             block_size=block_size,
@@ -90,6 +97,7 @@ class PagedAttentionMetadata:
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
+            backend=backend,
         )
 
     def extend_part(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -45,7 +45,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
-    return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens)
+    return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
+                        attention=settings.attention)
 
 
 def run_generate(

@@ -25,7 +25,7 @@ def _cuda_available() -> bool:
 
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter. The switch is read when a
-# kernel is defined, so it is set here, before any test module imports kernels.triton_*.
+# kernel is defined, so it is set here, before any test module imports kernels.triton.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -13,7 +13,7 @@ import torch
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from cache.kv_storage import KVStorage
-from kernels.metadata import PagedAttentionMetadata
+from kernels.metadata import Backend, PagedAttentionMetadata
 from workers.models.llama import LlamaForCausalLM
 
 
@@ -23,14 +23,16 @@ def run_step(
     tables: Sequence[BlockTable],
     new_tokens: Sequence[Sequence[int]],
     all_logits: bool = False,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """Append each sequence's new tokens, run them; logits of each sequence's last new token [S, V]
-    (or of every new token [N, V] with all_logits). Raises OutOfBlocksError when blocks run out."""
+    (or of every new token [N, V] with all_logits). Attention runs on `backend` (None: by device).
+    Raises OutOfBlocksError when blocks run out."""
     for table, tokens in zip(tables, new_tokens, strict=True):
         kv.copy_blocks(table.append(len(tokens)))
     meta = PagedAttentionMetadata.build(
         [len(t) for t in new_tokens], [t.num_tokens for t in tables], [t.block_ids for t in tables],
-        kv.block_size, model.device,
+        kv.block_size, model.device, backend=backend,
     )
     input_ids = torch.tensor([tok for tokens in new_tokens for tok in tokens], dtype=torch.long, device=model.device)
     last = None if all_logits else (meta.query_start[1:] - 1).long()

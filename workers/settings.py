@@ -29,3 +29,6 @@ class WorkerSettings(TracingSettings):
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int = 1024
     """Token budget of one engine step (prefill chunks + decodes)."""
+    attention: Literal["auto", "cpu", "triton", "reference"] = "auto"
+    """Attention backend: auto (Triton on CUDA, the CPU path elsewhere), cpu, triton (on a CPU only with
+    TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""

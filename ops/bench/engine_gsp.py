@@ -23,18 +23,28 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from workers.engine.engine import Engine, EngineConfig
+from workers.engine.request import Sequence
 from workers.models.assets import resolve_model_folder
+from workers.models.llama import DecoderLayer
 from workers.models.loader import LoadedModel, load_model
 from workers.precision import DEVICE_CHOICES, resolve_device, resolve_dtype
 from workers.wire.sampling import SamplingParams
 
 KV_BUDGET = 2 * 2**30  # the engine's default: room for every sequence of the workloads at once
+
+
+def ttft(seq: Sequence) -> float:
+    """Seconds from arrival to first token of a sequence that has produced one."""
+    if seq.first_token_time is None:
+        raise RuntimeError(f"{seq.request_id} finished without a token")
+    return seq.first_token_time - seq.arrival_time
 
 
 @dataclass
@@ -86,7 +96,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name:
     engine.check_integrity()
     prompt_tokens = sum(len(p) for p in prompts)
     return Result(name, seconds, prompt_tokens, sum(s.output_len for s in seqs),
-                  [s.first_token_time - s.arrival_time for s in seqs],
+                  [ttft(s) for s in seqs],
                   sum(s.prompt_cached_len for s in seqs) / prompt_tokens, util_at_peak)
 
 
@@ -127,7 +137,7 @@ def cached_vs_cold_ttft(loaded: LoadedModel, system: int, question: int) -> tupl
         seq = engine.add_request(f"t{i}", prompt, params)
         while engine.has_work():
             engine.step()
-        ttfts.append(seq.first_token_time - seq.arrival_time)
+        ttfts.append(ttft(seq))
     return ttfts[0], min(ttfts[1:])
 
 
@@ -140,7 +150,7 @@ def decode_step_vs_roofline(loaded: LoadedModel, batch: int, context: int, repea
         engine.add_request(f"d{i}", p, params)
     while any(s.is_prefilling or s.output_len == 0 for s in engine.sequences.values()):
         engine.step()
-    times = []
+    times: list[float] = []
     while len(times) < repeats:
         assert engine.num_running == batch, "every sequence must decode in each measured step"
         start = time.perf_counter()
@@ -151,8 +161,10 @@ def decode_step_vs_roofline(loaded: LoadedModel, batch: int, context: int, repea
     gate_up = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype, device=model.device)
     q = torch.randn(batch, model.config.q_size, dtype=model.dtype, device=model.device)
 
+    layers = cast(list[DecoderLayer], list(model.layers))
+
     def matmuls() -> None:
-        for layer in model.layers:
+        for layer in layers:
             F.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias)
             F.linear(q, layer.o_proj.weight)
             F.linear(x, layer.gate_up_proj.weight)
@@ -187,7 +199,8 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
     ours = load_model(folder, dtype, device)
-    hf = {dt: AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(device).eval()
+    auto = cast(Any, AutoModelForCausalLM)  # transformers' decorator hides from_pretrained's signature
+    hf = {dt: auto.from_pretrained(folder, dtype=dt).to(device).eval()
           for dt in (torch.float32, torch.bfloat16)}
     print(f"device={device}  threads={torch.get_num_threads()}  engine dtype={str(dtype).removeprefix('torch.')}  "
           f"{args.groups} groups x {args.per_group} prompts, system {args.system} + question {args.question} "

@@ -52,7 +52,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("kernels_gpu: no CUDA device here; nothing measured (run it on a GPU machine).")
         return 0
-    from kernels.triton_decode import decode_attention
+    from kernels.triton.decode import decode_attention
 
     device = torch.device("cuda")
     dtype = torch.bfloat16

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "default",
         priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         self.engine.validate_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:

@@ -1,5 +1,9 @@
-"""The engine: one step = schedule, run the model, sample, detect stops, report deltas.
+"""The engine: one step = schedule, run the model, update request state, sample, detect stops,
+report deltas.
 
+Ownership: the scheduler (scheduler.py) owns the sequences' state and, through the KV cache facade
+(cache.manager.KVCacheManager), their blocks; the engine owns what a request needs beyond that:
+each choice's generator, detokenizer and spans, the stop checks, the deltas and the usage.
 Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
 """
 
@@ -15,13 +19,14 @@ from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
-from cache.radix_tree import RadixPrefixTree
+from cache.manager import KVCacheManager
+from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine.detokenize import OutputText
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner import ModelRunner
-from workers.engine.sampler import sample
-from workers.engine.scheduler import Scheduler
+from workers.engine.sampler import SampleResult, sample
+from workers.engine.scheduler import Scheduler, StepUpdate
 from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams
 
@@ -59,6 +64,7 @@ class EngineConfig:
     max_running: int = 64
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
+    attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
 
 
 class Engine:
@@ -72,11 +78,10 @@ class Engine:
         num_blocks = config.num_blocks or max(
             1, config.kv_budget_bytes // KVStorage.bytes_per_block(
                 c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.tree = RadixPrefixTree(self.pool)
-        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size))
-        self.scheduler = Scheduler(self.pool, self.tree, config.max_batch_tokens, config.max_running,
-                                   config.max_wait_s)
+        self.cache = KVCacheManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
+                                  select_backend(model.device, config.attention))
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
@@ -126,7 +131,7 @@ class Engine:
         if request is None:
             return None
         last = None
-        for seq in [s for s in self.scheduler.running + self.scheduler.waiting if s.request_id == request_id]:
+        for seq in self.scheduler.sequences_of(request_id):
             self.scheduler.finish(seq, FinishReason.ABORT)
             last = self._final_delta(seq, Delta(request_id, index=seq.index))
         return last
@@ -136,67 +141,56 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        """schedule → run the model → update (the scheduler's: computed lengths, prefix commits, forks
+        of n > 1 choices) → sample → deltas. The update comes before sampling because a forked
+        choice draws its first token from its parent's logits in the same draw."""
         phases = self._phases
         if phases is not None:
             start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
         batch = self.scheduler.schedule()
         if phases is not None and self.scheduler.preemptions != preemptions:
             phases.preempted(start_ns)
-        deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self._take_scheduler_finished()]
+        deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self.scheduler.take_finished()]
         if not batch.seqs:
             return deltas
-        sampling, logits = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-            seq.computed_len += n
-            self.scheduler.commit_computed(seq)
+        logits = self.runner.run(batch)
+        update = self.scheduler.update(batch)
         if phases is not None:
             phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
-        if not sampling:
+        if not update.sampling:
             return deltas
-        sampling, logits = self._fork_choices(sampling, logits)
+        sampling, logits = self._start_forks(update, logits)
         result = sample(logits, sampling)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
-            token = result.token_ids[row]
-            seq.output_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            delta = Delta(seq.request_id, [token], index=seq.index)
-            if result.logprobs is not None and seq.params.logprobs is not None:
-                delta.logprobs = [result.logprobs[row]]
-                delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
-            deltas.append(self._advance(seq, delta))
+            deltas.append(self._advance(seq, row, result, now))
         return deltas
 
-    def _fork_choices(self, sampling: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        """A request with n > 1 forks its other choices once its prompt is computed: they share
-        every block through the cache (copy-on-write for the partly filled last one) and sample
-        their first token from the same logits, each with its own generator."""
-        extra_seqs, extra_rows = [], []
-        for row, parent in enumerate(sampling):
-            if parent.pending_forks == 0 or parent.block_table is None:
-                continue
-            for index in range(1, parent.pending_forks + 1):
-                child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace,
-                                 parent.priority, index=index, arrival_time=parent.arrival_time)
-                child.generator = self._generator(parent.params, index)
-                child.block_table = parent.block_table.fork()
-                child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
-                child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
-                self.scheduler.adopt_running(child)
-                if self._phases is not None:
-                    self._phases.fork(parent, child, time.time_ns())
-                self._texts[(child.request_id, index)] = OutputText(self.loaded.tokenizer, parent.params.stop)
-                extra_seqs.append(child)
-                extra_rows.append(row)
-            parent.pending_forks = 0
-        if not extra_seqs:
-            return sampling, logits
-        return sampling + extra_seqs, torch.cat([logits, logits[extra_rows]])
+    def _start_forks(self, update: StepUpdate, logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The engine's side of the choices forked this step (generator, text, spans); each samples
+        its first token from its parent's row. Returns every sampling sequence and its logits row."""
+        if not update.forks:
+            return update.sampling, logits
+        for fork in update.forks:
+            child = fork.child
+            child.generator = self._generator(child.params, child.index)
+            if self._phases is not None:
+                self._phases.fork(fork.parent, child, time.time_ns())
+            self._texts[(child.request_id, child.index)] = OutputText(self.loaded.tokenizer, child.params.stop)
+        children = [fork.child for fork in update.forks]
+        return update.sampling + children, torch.cat([logits, logits[[fork.row for fork in update.forks]]])
 
-    def _advance(self, seq: Sequence, delta: Delta) -> Delta:
-        """Text and stop conditions after a new token."""
-        token = seq.output_ids[-1]
+    def _advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
+        """Append the token sampled in `row`, then check stops: a stop token (not emitted), a stop
+        string, the length."""
+        token = result.token_ids[row]
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        delta = Delta(seq.request_id, [token], index=seq.index)
+        if result.logprobs is not None and seq.params.logprobs is not None:
+            delta.logprobs = [result.logprobs[row]]
+            delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
         text = self._texts[(seq.request_id, seq.index)]
         if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
             seq.output_ids.pop()  # the stop token is not part of the completion
@@ -233,10 +227,6 @@ class Engine:
             del self._requests[seq.request_id], self.sequences[seq.request_id]
         return delta
 
-    def _take_scheduler_finished(self) -> list[Sequence]:
-        done, self.scheduler.finished_by_scheduler = self.scheduler.finished_by_scheduler, []
-        return done
-
     # -- offline --------------------------------------------------------------------------------
     def generate_batch(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams], namespace: str = "default",
@@ -252,32 +242,24 @@ class Engine:
     # -- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
-        self.pool.check_integrity(self.scheduler.holders())
-        self.tree.check_integrity()
+        self.scheduler.check_integrity()
 
     def kv_utilization(self) -> tuple[int, int]:
         """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""
-        filled: dict[int, int] = {}
-        bs = self.pool.block_size
-        for seq in self.scheduler.running:
-            if seq.block_table is None:
-                continue
-            for i, block in enumerate(seq.block_table.block_ids):
-                in_block = min(max(seq.computed_len - i * bs, 0), bs)
-                filled[block] = max(filled.get(block, 0), in_block)
-        return sum(filled.values()), len(filled) * bs
+        return self.scheduler.kv_utilization()
 
     def info(self) -> dict[str, object]:
         held, capacity = self.kv_utilization()
+        stats = self.cache.stats()
         return {
             "model": self.name,
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
             "context_length": self.max_context,
-            "block_size": self.pool.block_size,
-            "blocks": {"total": self.pool.num_blocks, "free": self.pool.num_free, "used": self.pool.num_used,
-                       "evictable": self.pool.num_evictable},
+            "block_size": stats.block_size,
+            "blocks": {"total": stats.num_blocks, "free": stats.num_free, "used": stats.num_used,
+                       "evictable": stats.num_evictable},
             "kv_utilization": held / capacity if capacity else None,
-            "cache": {ns: vars(stats).copy() for ns, stats in self.tree.stats.items()},
+            "cache": stats.namespaces,
             "finished": dict(self.finished_counts),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -285,7 +267,12 @@ class Engine:
         }
 
     def all_blocks_free_or_evictable(self) -> bool:
-        return self.pool.num_free + self.pool.num_evictable == self.pool.num_blocks
+        return self.cache.all_free_or_evictable()
+
+    @property
+    def pool(self) -> BlockPool:
+        """The cache's block pool (read-only use: tests and benchmarks look at ref counts and sizes)."""
+        return self.cache.pool
 
     @property
     def num_running(self) -> int:

@@ -1,38 +1,39 @@
-"""Runs a scheduled batch through the model: block copies, metadata, one forward, the logits to sample."""
+"""Runs a scheduled batch through the model: block copies, the step's metadata (on the engine's
+attention backend), one forward, the logits of the sequences that sample."""
 
 from __future__ import annotations
 
 import torch
 
 from cache.kv_storage import KVStorage
-from kernels.metadata import PagedAttentionMetadata
-from workers.engine.request import Sequence
+from kernels.metadata import Backend, PagedAttentionMetadata
 from workers.engine.scheduler import ScheduledBatch
 from workers.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None) -> None:
         self.model, self.kv = model, kv
+        self.backend = backend  # the attention backend of every step; None: by device
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Compute the batch's new tokens; returns the sequences that reached their newest token
-        (they sample next) and their fp32 logits [len, V]."""
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
+        sequences that reach their newest token (they sample next), in batch order."""
         self.kv.copy_blocks(batch.block_copies)
         tokens: list[int] = []
         context_lens, tables, sampling_rows = [], [], []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
+        for row, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new, batch.samples, strict=True)):
             end = seq.computed_len + n
             tokens.extend(seq.all_ids[seq.computed_len : end])
             context_lens.append(end)
             assert seq.block_table is not None
             tables.append(seq.block_table.block_ids)
-            if end == seq.total_len:
+            if samples:
                 sampling_rows.append(row)
         device = self.model.device
-        meta = PagedAttentionMetadata.build(batch.num_new, context_lens, tables, self.kv.block_size, device)
+        meta = PagedAttentionMetadata.build(batch.num_new, context_lens, tables, self.kv.block_size, device,
+                                            backend=self.backend)
         last_token = (meta.query_start[1:] - 1).long()
         wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        logits = self.model(input_ids, self.kv, meta, wanted)  # [0, V] when only partial prefills ran
-        return [batch.seqs[r] for r in sampling_rows], logits
+        return self.model(input_ids, self.kv, meta, wanted)  # [0, V] when only partial prefills ran

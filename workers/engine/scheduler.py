@@ -5,7 +5,7 @@ unfinished prefills in chunks. Waiting sequences are admitted in order of priori
 before batch), then longest cached prefix, then arrival; a sequence that has waited longer than
 `max_wait_s` goes ahead of every non-aged one (aging: no request waits without bound). Admission
 matches the prompt in the radix tree, locks the matched path and allocates blocks only for the
-rest.
+rest. Blocks come and go only through the cache facade (`cache.manager.KVCacheManager`).
 
 Batch priority yields: while any interactive sequence is running or waiting, batch sequences
 (running or waiting) sit out the step, keeping their blocks, unless they have aged past
@@ -15,8 +15,13 @@ to an interactive request's latency at most the remainder of the step it arrived
 When blocks run out, the newest running batch sequence is preempted by recompute (the newest
 interactive one only when no batch sequence runs): its computed whole blocks go into the prefix
 tree (so recomputing mostly hits the cache), its blocks are released, and it waits again with its
-output kept. A sequence that cannot fit even alone finishes with
-`length`. Finished and aborted sequences insert prompt + output into the tree, then release.
+output kept. A sequence that cannot fit even alone finishes with `length` (handed to the engine
+by `take_finished`). Finished and aborted sequences insert prompt + output into the tree, then
+release.
+
+After the model ran a step, `update` owns what changed: computed lengths, whole blocks committed
+to the tree while their sequence still runs (requests sharing the prefix hit them at once), and
+the forks of a request's other choices (n > 1) once its prompt is computed, sharing its blocks.
 """
 
 from __future__ import annotations
@@ -24,9 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cache.block_pool import BlockPool
-from cache.block_table import BlockTable
-from cache.radix_tree import RadixPrefixTree
+from cache.manager import KVCacheManager
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 
 
@@ -34,28 +37,52 @@ from workers.engine.request import FinishReason, Priority, Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # one-token sequences first
     num_new: list[int] = field(default_factory=list)  # tokens each runs this step
+    # whether each reaches its newest token this step (computed_len + num_new == total_len): it samples
+    samples: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
 
     def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
+        self.samples.append(seq.computed_len + num_new == seq.total_len)
         self.block_copies.extend(copies)
 
     def ordered(self) -> ScheduledBatch:
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new[i] != 1)
-        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order], self.block_copies)
+        return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order],
+                              [self.samples[i] for i in order], self.block_copies)
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that sample after this step, in batch order (the rows of the step's logits)."""
+        return [seq for seq, samples in zip(self.seqs, self.samples, strict=True) if samples]
+
+
+@dataclass(frozen=True)
+class Fork:
+    parent: Sequence
+    child: Sequence  # already running, sharing the parent's blocks
+    row: int  # the parent's row in the step's logits: the child draws its first token from it
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` leaves to sample: the batch's sampling sequences (one per row of
+    the step's logits), and the choices forked from them this step."""
+
+    sampling: list[Sequence]
+    forks: list[Fork]
 
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, tree: RadixPrefixTree, max_batch_tokens: int = 512, max_running: int = 64,
-        max_wait_s: float = 30.0,
+        self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
     ) -> None:
-        self.pool, self.tree = pool, tree
+        self.cache = cache  # the block pool + prefix tree pair; every block goes through it
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.finished_by_scheduler: list[Sequence] = []  # finished here (could never fit); the engine reports them
+        self._finished: list[Sequence] = []  # finished here (could never fit) until `take_finished`
         self.preemptions = 0  # since start (metrics; the engine's phase spans watch it change)
 
     # -- queue ----------------------------------------------------------------------------------
@@ -73,7 +100,7 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> list[Sequence]:
         for seq in self.waiting:
-            seq.match_hint = self.tree.peek(seq.namespace, seq.all_ids)
+            seq.match_hint = self.cache.peek(seq.namespace, seq.all_ids)
 
         def key(seq: Sequence) -> tuple:
             if now - seq.arrival_time > self.max_wait_s:  # aged: first come, first served
@@ -105,7 +132,7 @@ class Scheduler:
         # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
         # block is the same would compute that prefix twice, so it waits and then hits the blocks
         # the first one commits.
-        bs = self.pool.block_size
+        bs = self.cache.block_size
         in_flight = {  # running prefills count too (not those sitting out): their next block is committed soon
             (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
             for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
@@ -130,62 +157,87 @@ class Scheduler:
         """Blocks for num_new more tokens, preempting newer sequences if needed; None if seq lost its place."""
         table = seq.block_table
         assert table is not None
-        while not self.pool.can_allocate(table.blocks_needed(num_new)):
+        while not self.cache.can_grow(table, num_new):
             victim = max((s for s in self.running if s.status is Status.RUNNING),
                          key=lambda s: (s.priority, s.arrival_order))  # batch first, then the newest
             if victim is seq and len(self.running) == 1:
                 self.finish(seq, FinishReason.LENGTH)  # cannot fit even alone
-                self.finished_by_scheduler.append(seq)
+                self._finished.append(seq)
                 return None
             self.preempt(victim)
             if victim is seq:
                 return None
-        return table.append(num_new)
+        return self.cache.grow(table, num_new)
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
-        match = self.tree.match(seq.namespace, seq.all_ids)
-        partial = self.tree.match_partial_block(seq.namespace, seq.all_ids, match)
-        self.tree.lock(match.handle)  # the request now holds one reference on each matched block
-        block_ids, cached, copies = list(match.block_ids), match.cached_len, []
-        if partial is not None and self.pool.can_allocate(1):
-            # The prompt continues into part of a cached block: copy that block into one of our
-            # own and skip its first k tokens. Copies run before the step writes anything, so
-            # the source is intact even if this very allocation evicted it.
-            source, k = partial
-            block_ids += self.pool.allocate(1)
-            cached += k
-            copies = [(source, block_ids[-1])]
-        table = BlockTable(self.pool, block_ids, cached)
+        hit = self.cache.match_and_lock(seq.namespace, seq.all_ids)  # seq now holds the matched blocks
+        table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
-        if not self.pool.can_allocate(table.blocks_needed(num_new)):
-            table.release()
+        if not self.cache.can_grow(table, num_new):
+            self.cache.release(table)
             if not self.running:  # nothing will ever free blocks for it
                 self.waiting.remove(seq)
                 self.finish(seq, FinishReason.LENGTH)
-                self.finished_by_scheduler.append(seq)
+                self._finished.append(seq)
                 return 0  # keep admitting others
             return None
         seq.block_table = table
         seq.cached_len = seq.computed_len = cached
         if seq.num_preemptions == 0:
             seq.prompt_cached_len = min(cached, seq.prompt_len)
-        seq.committed_blocks = match.cached_len // self.pool.block_size
+        seq.committed_blocks = hit.num_matched_blocks
         seq.status = Status.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-        batch.add(seq, num_new, copies + table.append(num_new))
+        batch.add(seq, num_new, hit.copies + self.cache.grow(table, num_new))
         return num_new
 
-    def commit_computed(self, seq: Sequence) -> None:
+    def take_finished(self) -> list[Sequence]:
+        """Sequences the scheduler itself finished (`length`: they can never fit) since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    # -- after the model ran --------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch) -> StepUpdate:
+        """After the model ran `batch`: advance each sequence's computed length, commit its newly
+        computed whole blocks, and fork the pending choices (n > 1) of the sequences whose prompt
+        is now computed. Runs before sampling: forked choices draw their first token from their
+        parent's logits in the same draw."""
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.computed_len += n
+            self._commit_computed(seq)
+        sampling = batch.sampling
+        forks = []
+        for row, parent in enumerate(sampling):
+            if parent.pending_forks == 0 or parent.block_table is None:
+                continue
+            for index in range(1, parent.pending_forks + 1):
+                forks.append(Fork(parent, self._fork(parent, index), row))
+            parent.pending_forks = 0
+        return StepUpdate(sampling, forks)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Choice `index` of parent's request: shares every block (copy-on-write for the partly
+        filled last one) and every length; it runs from now on."""
+        assert parent.block_table is not None
+        child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace, parent.priority,
+                         index=index, arrival_time=parent.arrival_time)
+        child.block_table = self.cache.fork(parent.block_table)
+        child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
+        child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
+        self.adopt_running(child)
+        return child
+
+    def _commit_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed whole blocks to the tree right away, so that
         requests sharing its prefix hit them while it is still running (the tree adds its own
         references; full blocks are never written again)."""
         table = seq.block_table
-        full_blocks = seq.computed_len // self.pool.block_size
+        full_blocks = seq.computed_len // self.cache.block_size
         if table is None or full_blocks <= seq.committed_blocks:
             return
-        self.tree.insert(seq.namespace, seq.all_ids[: full_blocks * self.pool.block_size], table.block_ids)
+        self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
         seq.committed_blocks = full_blocks
 
     # -- leaving ----------------------------------------------------------------------------------
@@ -194,8 +246,7 @@ class Scheduler:
         table = seq.block_table
         if table is None:
             return
-        self.tree.insert(seq.namespace, seq.all_ids[: seq.computed_len], table.block_ids)
-        table.release()
+        self.cache.cache_and_release(seq.namespace, seq.all_ids[: seq.computed_len], table)
         seq.block_table = None
 
     def preempt(self, seq: Sequence) -> None:
@@ -215,10 +266,22 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    def holders(self) -> dict[int, int]:
-        """block id -> number of running sequences holding it (for the pool's integrity check)."""
-        counts: dict[int, int] = {}
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        """The request's open choices: running ones, then waiting ones."""
+        return [s for s in self.running + self.waiting if s.request_id == request_id]
+
+    def kv_utilization(self) -> tuple[int, int]:
+        """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""
+        filled: dict[int, int] = {}
+        bs = self.cache.block_size
         for seq in self.running:
-            for block in seq.block_table.block_ids if seq.block_table else []:
-                counts[block] = counts.get(block, 0) + 1
-        return counts
+            if seq.block_table is None:
+                continue
+            for i, block in enumerate(seq.block_table.block_ids):
+                in_block = min(max(seq.computed_len - i * bs, 0), bs)
+                filled[block] = max(filled.get(block, 0), in_block)
+        return sum(filled.values()), len(filled) * bs
+
+    def check_integrity(self) -> None:
+        """Pool and tree agree with what running sequences hold (AssertionError otherwise)."""
+        self.cache.check_integrity(seq.block_table for seq in self.running if seq.block_table is not None)

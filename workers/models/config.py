@@ -89,7 +89,7 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-                sliding_window=int(window) if use_window else None,
+                sliding_window=int(window) if use_window and window is not None else None,
                 rope=_parse_rope(hf),
                 eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
                 bos_token_id=hf.get("bos_token_id"),

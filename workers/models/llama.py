@@ -164,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError("checkpoint is missing tensor 'lm_head.weight' (embeddings are not tied)")
                 self.lm_head.weight.copy_(lm_head)
             for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)  # a ModuleList yields plain Modules to the type checker
                 p = f"model.layers.{i}."
                 attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
                 layer.qkv_proj.weight.copy_(torch.cat(attn))

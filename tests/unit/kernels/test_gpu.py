@@ -34,7 +34,8 @@ def on_gpu(case):
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "dtype", "batch"), FULL_GRID)
 @pytest.mark.parametrize("window", [None, 20])
 def test_triton_decode_and_extend_on_gpu_match_reference(group, head_dim, block_size, dtype, batch, window) -> None:
-    from kernels import triton_decode, triton_extend
+    from kernels.triton import decode as triton_decode
+    from kernels.triton import extend as triton_extend
 
     c = on_gpu(make_case(group, head_dim, block_size, dtype, batch, decode=True, seed=batch + group))
     args = (c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.context_lens, c.scale, window)
@@ -50,7 +51,7 @@ def test_triton_decode_and_extend_on_gpu_match_reference(group, head_dim, block_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_store_on_gpu_writes_exact_rows(dtype) -> None:
-    from kernels import triton_store
+    from kernels.triton import store as triton_store
 
     c = on_gpu(make_case(3, 64, 16, dtype, 5, decode=False))
     expected_k, expected_v = c.k_cache.clone(), c.v_cache.clone()

@@ -16,7 +16,7 @@ import torch
 
 from kernels import cpu, reference
 from kernels.dispatch import paged_attention, select_backend
-from kernels.metadata import PagedAttentionMetadata
+from kernels.metadata import Backend, PagedAttentionMetadata
 
 GROUPS, HEAD_DIMS, BLOCK_SIZES, DTYPES = (1, 3, 4), (64, 128), (16, 32), (torch.float32, torch.bfloat16)
 # (q heads per KV head, head dim, block size, dtype, batch): each value of each axis at least once
@@ -79,7 +79,7 @@ def make_case(group: int, head_dim: int, block_size: int, dtype: torch.dtype, ba
 
 
 def triton_module(name: str):
-    return pytest.importorskip(f"kernels.{name}")
+    return pytest.importorskip(f"kernels.triton.{name}")
 
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "dtype", "batch"), GRID)
@@ -89,7 +89,7 @@ def test_decode_matches_reference(group, head_dim, block_size, dtype, batch, win
     args = (c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.context_lens, c.scale, window)
     expected = reference.decode_attention(*args)
     torch.testing.assert_close(cpu.decode_attention(*args), expected, **tolerance(dtype))
-    triton_decode = triton_module("triton_decode")
+    triton_decode = triton_module("decode")
     torch.testing.assert_close(triton_decode.decode_attention(*args), expected, **tolerance(dtype))
     # several splits per sequence, merged by log-sum-exp
     torch.testing.assert_close(triton_decode.decode_attention(*args, split_len=64), expected, **tolerance(dtype))
@@ -104,7 +104,7 @@ def test_extend_matches_reference(group, head_dim, block_size, dtype, batch, win
     torch.testing.assert_close(cpu.extend_attention(*args), expected, **tolerance(dtype))
     with_new_kv = cpu.extend_attention(*args, new_keys=c.k, new_values=c.v)  # fresh prefills skip the gather
     torch.testing.assert_close(with_new_kv, expected, **tolerance(dtype))
-    triton_extend = triton_module("triton_extend")
+    triton_extend = triton_module("extend")
     torch.testing.assert_close(triton_extend.extend_attention(*args), expected, **tolerance(dtype))
 
 
@@ -115,14 +115,14 @@ def test_store_kv_writes_exact_rows(group, head_dim, block_size, dtype, batch) -
     expected_k, expected_v = c.k_cache.clone(), c.v_cache.clone()
     reference.store_kv(k_new, v_new, expected_k, expected_v, c.meta.slot_mapping)
     assert not torch.equal(expected_k, c.k_cache)  # the reference did write
-    for store in (cpu.store_kv, triton_module("triton_store").store_kv):
+    for store in (cpu.store_kv, triton_module("store").store_kv):
         k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()
         store(k_new, v_new, k_cache, v_cache, c.meta.slot_mapping)
         assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 def test_triton_store_skips_negative_slots() -> None:
-    triton_store = triton_module("triton_store")
+    triton_store = triton_module("store")
     c = make_case(1, 64, 16, torch.float32, 2, decode=True)
     k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()
     slots = torch.full_like(c.meta.slot_mapping, -1)
@@ -131,7 +131,7 @@ def test_triton_store_skips_negative_slots() -> None:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_mixed_step_through_dispatch(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+def test_mixed_step_through_dispatch(backend: Backend) -> None:
     """Decodes and extends in one step: store, then each part to its op, in token order."""
     torch.manual_seed(3)
     block_size, head_dim = 16, 64
@@ -144,29 +144,25 @@ def test_mixed_step_through_dispatch(monkeypatch: pytest.MonkeyPatch, backend: s
     q = torch.randn(meta.num_tokens, 3 * NUM_KV_HEADS, head_dim)
     k, v = torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim), torch.randn(meta.num_tokens, NUM_KV_HEADS, head_dim)
 
-    def run(name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        monkeypatch.setenv("TOLLWAY_ATTENTION", name)
+    def run(name: Backend) -> tuple[torch.Tensor, list[torch.Tensor]]:
         step_caches = [c.clone() for c in caches]
-        fresh_meta = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size)
+        fresh_meta = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size, backend=name)
         return paged_attention(q, k, v, *step_caches, fresh_meta, head_dim**-0.5), step_caches
 
     if backend == "triton":
-        triton_module("triton_ops")
+        triton_module("ops")
     expected, expected_caches = run("reference")
     got, got_caches = run(backend)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, expected_caches, strict=True))
 
 
-def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOLLWAY_ATTENTION", raising=False)
+def test_backend_selection() -> None:
     assert select_backend(torch.device("cpu")) == "cpu"
     assert select_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv("TOLLWAY_ATTENTION", "reference")
-    assert select_backend(torch.device("cuda")) == "reference"
-    monkeypatch.setenv("TOLLWAY_ATTENTION", "flash")
+    assert select_backend(torch.device("cuda"), "reference") == "reference"
     with pytest.raises(ValueError, match="TOLLWAY_ATTENTION"):
-        select_backend(torch.device("cpu"))
+        select_backend(torch.device("cpu"), "flash")
 
 
 def test_metadata_positions_and_slots() -> None:
@@ -185,7 +181,7 @@ def test_metadata_positions_and_slots() -> None:
 def test_cascade_decode_over_shared_prefixes_matches_reference(dtype, group: int) -> None:
     """Rows 0-2 share three blocks (row 2 only two before its newest token), rows 3-4 share one,
     row 5 shares nothing: the CPU decode reads each shared run once and merges exactly."""
-    from kernels.cpu_cascade import plan_cascade
+    from kernels.cpu.cascade import plan_cascade
 
     torch.manual_seed(7)
     bs, head_dim = 16, 64
@@ -203,7 +199,7 @@ def test_cascade_decode_over_shared_prefixes_matches_reference(dtype, group: int
 
 
 def test_no_shared_blocks_means_no_cascade_plan() -> None:
-    from kernels.cpu_cascade import plan_cascade
+    from kernels.cpu.cascade import plan_cascade
 
     assert plan_cascade([[0, 1], [2, 3]], [20, 30], 16, torch.float32, torch.device("cpu")) is None
     assert plan_cascade([[0, 1], [0, 3]], [10, 30], 16, torch.float32, torch.device("cpu")) is None  # row 0 in block 0

@@ -230,3 +230,19 @@ def test_aged_batch_sequences_keep_running_beside_interactive_work(tiny, prompts
     engine.add_request("i", prompts[1], GREEDY, priority=Priority.INTERACTIVE)
     engine.step()
     assert batch.computed_len > before  # aged past max_wait_s: it no longer yields
+
+
+def test_attention_setting_picks_the_backend_of_every_step(tiny, prompts, expected, monkeypatch) -> None:
+    from kernels import reference
+    from workers.settings import WorkerSettings
+
+    monkeypatch.setenv("TOLLWAY_ATTENTION", "reference")
+    calls: list[str] = []
+    for name in ("decode_step", "extend_step"):
+        original = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    engine = Engine(tiny, EngineConfig(num_blocks=200, attention=WorkerSettings().attention))
+    [seq] = engine.generate_batch([prompts[2]], GREEDY)
+    assert engine.runner.backend == "reference"
+    assert seq.output_ids == expected[2]
+    assert set(calls) == {"decode_step", "extend_step"}

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import check_last_dim_contiguous
+from kernels.triton.common import check_last_dim_contiguous
 
 
 @triton.jit

@@ -6,6 +6,8 @@ over the batch, with the query heads of each KV head as that head's query rows (
 GQA) and an additive mask hiding keys past each sequence's length (or outside its window).
 Extend runs one SDPA per sequence: a sequence with no cached prefix attends over its new K/V as
 they are (plain causal), one with a prefix over its gathered context with an offset causal mask.
+`decode_step` reads a prefix shared by a group of decodes once (cascade.py) when there is one.
+`store_kv`, `decode_step` and `extend_step` are the backend interface the dispatch calls.
 
 Gather indices and masks depend only on the step, so they are built by the first layer and kept
 in `PagedAttentionMetadata.prepared` for the others (see `prepare_decode`, `prepare_extend`).
@@ -18,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_cascade import cascade_decode, plan_cascade
-from kernels.cpu_common import GatherBuffers, per_sequence, visibility_mask
+from kernels.cpu.cascade import CascadePlan, cascade_decode, plan_cascade
+from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
 from kernels.metadata import PagedAttentionMetadata
 
 
@@ -151,12 +153,12 @@ def decode_step(
         if cascade_key not in meta.prepared:
             meta.prepared[cascade_key] = plan_cascade(
                 meta.block_tables_list[:d], meta.context_lens_list[:d], meta.block_size, q.dtype, q.device)
-        cascade = meta.prepared[cascade_key]
-        if cascade is not None:
+        cascade = meta.prepared[cascade_key]  # None: no shared prefix this step
+        if isinstance(cascade, CascadePlan):
             return cascade_decode(q, k_cache, v_cache, cascade, scale)
     key = ("cpu-decode", q.dtype, sliding_window)
     plan = meta.prepared.get(key)
-    if plan is None:
+    if not isinstance(plan, DecodePlan):  # not prepared yet by an earlier layer
         plan = meta.prepared[key] = prepare_decode(
             meta.block_tables[:d], meta.context_lens[:d], meta.block_size, q.dtype, sliding_window
         )
@@ -171,7 +173,7 @@ def extend_step(
     query_start, context_lens, block_tables = meta.extend_part()
     key = ("cpu-extend", q.dtype, sliding_window)
     plan = meta.prepared.get(key)
-    if plan is None:
+    if not isinstance(plan, list):  # not prepared yet by an earlier layer
         plan = meta.prepared[key] = prepare_extend(
             block_tables, query_start.tolist(), meta.context_lens_list[meta.num_decodes :], meta.block_size,
             q.dtype, sliding_window,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.cpu_common import GatherBuffers, per_sequence, visibility_mask
+from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

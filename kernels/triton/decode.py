@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from kernels.triton.common import (
     check_last_dim_contiguous,
     dot_precision,
     load_kv_tile,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import PagedAttentionMetadata
-from kernels.triton_decode import decode_attention
-from kernels.triton_extend import extend_attention
-from kernels.triton_store import store_kv
+from kernels.triton.decode import decode_attention
+from kernels.triton.extend import extend_attention
+from kernels.triton.store import store_kv
 
 __all__ = ["decode_step", "extend_step", "store_kv"]
 

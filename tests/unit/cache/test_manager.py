@@ -1,0 +1,63 @@
+"""The cache facade: a sequence's life through its verbs, with pool and tree checked at each stage."""
+
+from __future__ import annotations
+
+from cache import KVCacheManager
+
+
+def test_a_sequence_commits_while_running_and_a_second_one_hits_its_blocks() -> None:
+    cache = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(10))
+    first = cache.match_and_lock("a", tokens)
+    assert (first.cached_len, first.num_matched_blocks, first.copies) == (0, 0, [])
+    assert cache.can_grow(first.table, 10)
+    assert cache.grow(first.table, 10) == [] and len(first.table.block_ids) == 3
+    cache.commit("a", tokens[:8], first.table)  # two whole blocks computed so far
+    cache.check_integrity([first.table])
+    assert cache.peek("a", tokens + [10]) == 8
+
+    second = cache.match_and_lock("a", tokens[:8] + [50, 51, 52])
+    assert (second.cached_len, second.num_matched_blocks) == (8, 2)
+    assert second.table.block_ids == first.table.block_ids[:2]  # locked: shared, not evictable
+    cache.check_integrity([first.table, second.table])
+    assert cache.stats().num_evictable == 0
+
+    cache.cache_and_release("a", tokens, first.table)
+    cache.cache_and_release("a", tokens[:8], second.table)
+    cache.check_integrity([])
+    assert cache.all_free_or_evictable()
+    stats = cache.stats()
+    assert (stats.num_used, stats.num_evictable, stats.num_free) == (0, 2, 14)
+    assert stats.namespaces["a"]["hit_tokens"] == 8 and stats.namespaces["a"]["inserted_tokens"] == 8
+
+
+def test_a_prompt_going_on_into_part_of_a_cached_block_gets_a_copy_of_it() -> None:
+    cache = KVCacheManager(num_blocks=16, block_size=4)
+    cached = list(range(1, 13))
+    hit = cache.match_and_lock("ns", cached)
+    cache.grow(hit.table, len(cached))
+    cached_blocks = list(hit.table.block_ids)
+    cache.cache_and_release("ns", cached, hit.table)
+
+    hit = cache.match_and_lock("ns", [1, 2, 3, 4, 5, 6, 99, 99, 99])
+    assert (hit.cached_len, hit.num_matched_blocks) == (6, 1)  # 4 in a whole block + 2 of the next
+    assert hit.copies == [(cached_blocks[1], hit.table.block_ids[1])]
+    assert hit.table.num_tokens == 6
+    cache.check_integrity([hit.table])
+    cache.release(hit.table)
+    cache.check_integrity([])
+
+
+def test_growth_is_refused_without_room_and_a_release_caches_nothing() -> None:
+    cache = KVCacheManager(num_blocks=2, block_size=4)
+    hit = cache.match_and_lock("a", list(range(20)))
+    assert not cache.can_grow(hit.table, 20)
+    assert cache.can_grow(hit.table, 8)
+    cache.grow(hit.table, 8)
+    child = cache.fork(hit.table)
+    assert child.block_ids == hit.table.block_ids
+    cache.check_integrity([hit.table, child])
+    cache.release(child)
+    cache.release(hit.table)
+    assert cache.stats().num_free == 2 and cache.peek("a", list(range(20))) == 0
+    cache.check_integrity([])
