@@ -25,6 +25,9 @@ class GatewaySettings(TracingSettings):
     """Comma-separated base URLs of the engine workers."""
     admin_key: str | None = None
     """Admin key; when unset one is generated into $TOLLWAY_HOME/admin.key (mode 600)."""
+    worker_secret: str | None = None
+    """The workers' shared secret, sent as the bearer of every call to a worker; unset =
+    `$TOLLWAY_HOME/worker.secret`, created there if absent (workers/wire/files.py)."""
     redis_url: str | None = None
     """Redis for shared quotas and key-revocation broadcasts; unset = in-process only."""
     quota_failure_mode: Literal["open", "closed"] = "open"

@@ -29,3 +29,6 @@ class WorkerSettings(TracingSettings):
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int = 1024
     """Token budget of one engine step (prefill chunks + decodes)."""
+    worker_secret: str | None = None
+    """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,
+    created there if absent (workers/wire/files.py). Give gateways and workers on other hosts the same."""

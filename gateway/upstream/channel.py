@@ -73,10 +73,12 @@ class _Connection:
 
 
 class WorkerChannel:
-    def __init__(self, url: str, session: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, connect_timeout_s: float,
+                 headers: dict[str, str]) -> None:
         self._url = f"{url}/internal/channel"
         self._session = session
         self._connect_timeout_s = connect_timeout_s
+        self._headers = headers  # the workers' credential (Authorization), sent with the upgrade
         self._connection: _Connection | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._ids = itertools.count()
@@ -90,7 +92,7 @@ class WorkerChannel:
                 try:
                     async with asyncio.timeout(self._connect_timeout_s):
                         ws = await self._session.ws_connect(self._url, max_msg_size=MAX_FRAME_BYTES, compress=0,
-                                                            heartbeat=HEARTBEAT_S)
+                                                            heartbeat=HEARTBEAT_S, headers=self._headers)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise ChannelClosed(f"cannot open the channel: {exc!r}") from exc
                 self._connection = _Connection(ws)

@@ -115,7 +115,7 @@ def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
     for name, bound in RSS_BOUND_MB.items():
         assert growth[name] < bound, f"{name} RSS grew {growth[name]:.1f} MB (bound {bound} MB)"
 
-    info = get_json(f"{worker_url}/internal/info")
+    info = get_json(f"{worker_url}/internal/info", tollway.worker_auth())
     blocks = info["blocks"]
     assert info["running"] == 0 and info["waiting"] == 0, info
     assert blocks["free"] + blocks["evictable"] == blocks["total"], f"KV blocks leaked: {blocks}"
