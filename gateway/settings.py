@@ -25,6 +25,8 @@ class GatewaySettings(TracingSettings):
     """Comma-separated base URLs of the engine workers."""
     admin_key: str | None = None
     """Admin key; when unset one is generated into $TOLLWAY_HOME/admin.key (mode 600)."""
+    dashboard_session_ttl_s: float = 12 * 3600
+    """How long a dashboard login lasts (its server-side session and its cookie)."""
     worker_secret: str | None = None
     """The workers' shared secret, sent as the bearer of every call to a worker; unset =
     `$TOLLWAY_HOME/worker.secret`, created there if absent (workers/wire/files.py)."""
