@@ -47,6 +47,9 @@ class GatewaySettings(TracingSettings):
     within this after its headers gets a 408 and a closed connection."""
     max_file_bytes: int = 100 * 2**20
     """Largest file accepted by POST /v1/files (larger → 413)."""
+    upload_timeout_s: float = 600.0
+    """Longest a file upload (POST /v1/files) may take to arrive in full (then 408); it must also
+    keep making progress: no read of it waits longer than `read_timeout_s`."""
     max_batch_lines: int = 50_000
     """Most requests in one batch input file."""
     max_queued_batch_tokens: int = 10_000_000
