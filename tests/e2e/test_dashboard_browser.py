@@ -22,12 +22,18 @@ import torch
 from aiohttp import web
 
 from gateway.observability.dashboard_render import SERVICE_COLOURS
-from tests.e2e.test_report_browser import ARTIFACTS, CHROMIUM, FLAGS, colour_count, png_pixels, pytestmark
+from tests.e2e.test_report_browser import ARTIFACTS, CHROMIUM, FLAGS, colour_count, png_pixels
+from tests.required import require_executable
 from tests.unit.gateway.test_dashboard import ADMIN_KEY, Dom
 from tests.unit.gateway.test_tracing import Traced, start, streamed_chat
 from workers.models.loader import LoadedModel, load_model
 
-pytestmark = [pytestmark, pytest.mark.asyncio]  # skips without Chromium, like the report's browser test
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(autouse=True)
+def chromium_present() -> None:  # as the report's browser test
+    require_executable(CHROMIUM, "install Debian's chromium (ops/test does, as root) to run the browser tests")
 
 
 @pytest.fixture(scope="module")
