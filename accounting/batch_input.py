@@ -5,13 +5,20 @@ Each non-blank line is one request:
 and every line of a file uses the same url. Blank lines are skipped (a trailing newline is normal);
 line numbers in messages count every physical line from 1, blank ones included, so they match an
 editor's.
+
+Two entry points apply the same rules: `validate_batch_input` parses bytes in memory and returns
+every request (a batch's creation and its runner need them), `check_batch_input_file` reads an
+uploaded file from disk line by line and keeps only what the rules need (the custom_ids), so an
+upload of up to TOLLWAY_MAX_FILE_BYTES is never held in memory; it also bounds each line.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from accounting.tenants import AccountingError
 
@@ -93,24 +100,34 @@ def _check_line(number: int, raw: bytes, problems: _Problems) -> dict[str, Any] 
     return item if ok else None
 
 
-def validate_batch_input(data: bytes, *, max_lines: int, max_bytes: int) -> BatchInput:
-    """The parsed requests of a batch input file, or `BatchInputError` listing its problems.
+@dataclass(frozen=True)
+class BatchInputCheck:
+    """A batch input file found valid on disk: its endpoint and how many requests it holds."""
 
-    Size and line-count limits are checked first and alone (nothing else is parsed when they fail).
-    """
-    if len(data) > max_bytes:
-        raise BatchInputError([f"file is too large: {len(data)} bytes (at most {max_bytes})"])
-    lines = [(number, raw) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
-    if not lines:
+    endpoint: str
+    requests: int
+
+
+def _check_size_and_count(size: int, count: int, *, max_lines: int, max_bytes: int) -> None:
+    """The limits, checked first and alone (nothing else is parsed when they fail)."""
+    if size > max_bytes:
+        raise BatchInputError([f"file is too large: {size} bytes (at most {max_bytes})"])
+    if not count:
         raise BatchInputError(["file is empty: it has no requests"])
-    if len(lines) > max_lines:
-        raise BatchInputError([f"too many lines: {len(lines)} requests (at most {max_lines})"])
+    if count > max_lines:
+        raise BatchInputError([f"too many lines: {count} requests (at most {max_lines})"])
 
+
+def _check_lines(lines: Iterable[tuple[int, bytes | None]], keep: list[BatchRequest] | None) -> str:
+    """Every rule over the numbered non-blank lines (None: a line over the length limit); the
+    endpoint, or `BatchInputError`. Valid requests are appended to `keep` when it is given."""
     problems = _Problems()
-    requests: list[BatchRequest] = []
     first_line: dict[str, int] = {}  # custom_id -> line it first appeared on
     endpoint: tuple[str, int] | None = None  # (url, line) of the first line with a valid url
     for number, raw in lines:
+        if raw is None:
+            problems.add(f"line {number}: longer than the largest request body the gateway accepts")
+            continue
         item = _check_line(number, raw, problems)
         if item is None:
             continue
@@ -124,7 +141,46 @@ def validate_batch_input(data: bytes, *, max_lines: int, max_bytes: int) -> Batc
             problems.add(f"line {number}: duplicate custom_id {custom_id!r} (first on line {first_line[custom_id]})")
             continue
         first_line[custom_id] = number
-        requests.append(BatchRequest(line=number, custom_id=custom_id, body=item["body"]))
+        if keep is not None:
+            keep.append(BatchRequest(line=number, custom_id=custom_id, body=item["body"]))
     if problems.total or endpoint is None:
         raise BatchInputError(problems.kept, problems.total)
-    return BatchInput(endpoint=endpoint[0], requests=requests)
+    return endpoint[0]
+
+
+def validate_batch_input(data: bytes, *, max_lines: int, max_bytes: int) -> BatchInput:
+    """The parsed requests of a batch input file, or `BatchInputError` listing its problems."""
+    lines = [(number, raw) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
+    _check_size_and_count(len(data), len(lines), max_lines=max_lines, max_bytes=max_bytes)
+    requests: list[BatchRequest] = []
+    endpoint = _check_lines(lines, requests)
+    return BatchInput(endpoint=endpoint, requests=requests)
+
+
+_SKIP_CHUNK = 2**20
+
+
+def _file_lines(handle: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(number, line without its newline) of every non-blank line, read one at a time; a line over
+    `max_line_bytes` is (number, None), skipped without being held in memory."""
+    number = 0
+    while raw := handle.readline(max_line_bytes + 1):
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # over the limit: skip to its end
+            while raw and not raw.endswith(b"\n"):
+                raw = handle.readline(_SKIP_CHUNK)
+            yield number, None
+        elif raw.strip():
+            yield number, raw.removesuffix(b"\n")
+
+
+def check_batch_input_file(path: Path, *, max_lines: int, max_bytes: int,
+                           max_line_bytes: int) -> BatchInputCheck:
+    """`validate_batch_input`'s rules over a file on disk, read line by line (two passes: the
+    limits, then the lines), keeping no request; plus: no line longer than `max_line_bytes`."""
+    with path.open("rb") as handle:
+        count = sum(1 for _ in _file_lines(handle, max_line_bytes))
+        _check_size_and_count(path.stat().st_size, count, max_lines=max_lines, max_bytes=max_bytes)
+        handle.seek(0)
+        endpoint = _check_lines(_file_lines(handle, max_line_bytes), None)
+    return BatchInputCheck(endpoint=endpoint, requests=count)

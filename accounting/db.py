@@ -8,6 +8,7 @@ configuration is built here. Nothing connects at import time.
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +16,35 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from accounting.settings import AccountingSettings
 
-def create_db_engine(url: str) -> Engine:
+LIBPQ_MIN_CONNECT_TIMEOUT_S = 2  # libpq treats 1 as 2; 0 would mean "wait forever"
+
+
+def postgres_connect_args(url: URL, connect_timeout_s: float, statement_timeout_s: float) -> dict[str, Any]:
+    """libpq arguments bounding every wait on the server: `connect_timeout` (whole seconds) and a
+    `statement_timeout` given as a startup option, appended to any `options` the URL already
+    carries (tests select a schema with `options=-csearch_path=...`)."""
+    args: dict[str, Any] = {"connect_timeout": max(LIBPQ_MIN_CONNECT_TIMEOUT_S, math.ceil(connect_timeout_s))}
+    if statement_timeout_s > 0:
+        existing = url.query.get("options", "")
+        existing = existing if isinstance(existing, str) else " ".join(existing)
+        args["options"] = f"{existing} -c statement_timeout={math.ceil(statement_timeout_s * 1000)}".strip()
+    return args
+
+
+def create_db_engine(url: str, *, connect_timeout_s: float | None = None,
+                     statement_timeout_s: float | None = None) -> Engine:
     """An engine for `url` with tollway's connection settings.
 
     SQLite: usable from several threads, WAL journal (readers don't block the writer) and foreign
     keys enforced (SQLite ignores them unless asked, per connection). PostgreSQL: connections are
-    checked before use, so a restarted server doesn't fail the first request.
+    checked before use, so a restarted server doesn't fail the first request, and no wait is
+    unbounded: connecting gives up after `connect_timeout_s`, a statement after
+    `statement_timeout_s` (defaults: TOLLWAY_DB_CONNECT_TIMEOUT_S, TOLLWAY_DB_STATEMENT_TIMEOUT_S).
     """
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -43,7 +63,13 @@ def create_db_engine(url: str) -> Engine:
 
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return create_engine(url, pool_pre_ping=True)
+        if connect_timeout_s is None or statement_timeout_s is None:
+            settings = AccountingSettings()
+            connect_timeout_s = settings.db_connect_timeout_s if connect_timeout_s is None else connect_timeout_s
+            statement_timeout_s = settings.db_statement_timeout_s if statement_timeout_s is None \
+                else statement_timeout_s
+        return create_engine(url, pool_pre_ping=True,
+                             connect_args=postgres_connect_args(parsed, connect_timeout_s, statement_timeout_s))
     return create_engine(url)
 
 
@@ -75,6 +101,9 @@ def _run(url_or_engine: str | Engine, action: Any, revision: str) -> None:
     try:
         with engine.begin() as connection:
             if connection.dialect.name == "postgresql":
+                # A migration may rewrite a large table, and a replica may wait here while another
+                # migrates: the statement timeout is lifted for this transaction only.
+                connection.execute(text("SET LOCAL statement_timeout = 0"))
                 # Replicas starting together migrate one at a time (released at commit); the others
                 # then find the schema at head and do nothing.
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})

@@ -8,6 +8,7 @@ commits. Every lookup is scoped to a tenant: another tenant's file, or a deleted
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, or_, select
@@ -52,8 +53,9 @@ def _check_filename(filename: object) -> str:
 
 
 def create_file(session: Session, store: FileStore, tenant_id: int, filename: str, purpose: str,
-                data: bytes) -> File:
-    """Store `data`, then add its row; returns the flushed `File`.
+                data: bytes | Path) -> File:
+    """Store `data` (bytes, or a file in `store.staging_folder()` that the store adopts), then add
+    its row; returns the flushed `File`.
 
     The bytes are written first so a committed row always has its bytes. If the caller's
     transaction then fails, the bytes are orphaned: callers should `store.delete(f.storage_key)`.
@@ -64,8 +66,13 @@ def create_file(session: Session, store: FileStore, tenant_id: int, filename: st
     file_id = new_file_id()
     # The key comes from the tenant id and a random id only, never from the filename.
     key = f"{tenant_id}/{file_id}"
-    store.put(key, data)
-    row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=len(data),
+    if isinstance(data, Path):
+        size = data.stat().st_size
+        store.adopt(key, data)
+    else:
+        size = len(data)
+        store.put(key, data)
+    row = File(id=file_id, tenant_id=tenant_id, filename=filename, purpose=purpose, bytes=size,
                storage_key=key, created_at=utcnow())
     session.add(row)
     try:

@@ -289,3 +289,16 @@ class BatchResult(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+
+
+class DashboardSession(Base):
+    """A browser's session on /admin/dashboard (accounting/dashboard_sessions.py): the SHA-256 of its
+    random token (never the token), when it ends, and the fingerprint of the admin key it was opened
+    with (a changed admin key ends it)."""
+
+    __tablename__ = "dashboard_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    admin_key_fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, index=True)

@@ -20,6 +20,11 @@ class AccountingSettings(BaseSettings):
     """State folder; the default SQLite database is `{home}/tollway.db`."""
     database_url: str | None = None
     """SQLAlchemy URL of the accounting database; None = SQLite in `home`."""
+    db_connect_timeout_s: float = 5.0
+    """PostgreSQL: longest wait for a new connection (libpq `connect_timeout`, whole seconds, at least 2)."""
+    db_statement_timeout_s: float = 30.0
+    """PostgreSQL: longest run of one statement (server-side `statement_timeout`); 0 = no limit.
+    Migrations lift it for their own transaction."""
 
     @property
     def url(self) -> str:

@@ -41,7 +41,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER
 from gateway.upstream.pool import WorkerPool
 from gateway.upstream.router import Router
-from workers.wire.files import load_or_create_admin_key
+from workers.wire.files import load_or_create_admin_key, load_or_create_worker_secret
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 CleanupContext = Callable[[web.Application], AsyncIterator[None]]
@@ -131,11 +131,13 @@ def setup_workers(app: web.Application) -> None:
                          balance_rel_threshold=settings.router_balance_rel,
                          cache_threshold=settings.router_cache_threshold)
 
+    secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
+
     async def workers(app: web.Application) -> AsyncIterator[None]:
         # One pooled session for all upstream traffic; no connection cap (the workers queue).
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
-        app[POOL] = pool = WorkerPool(settings.workers, session, health_interval_s=settings.health_interval_s,
-                                      tracer=app[TRACING].tracer)
+        app[POOL] = pool = WorkerPool(settings.workers, session, secret=secret,
+                                      health_interval_s=settings.health_interval_s, tracer=app[TRACING].tracer)
         # Orphaned usage (requests of a gateway that died mid-stream) is billed on every poll,
         # the first one included: a restarted gateway bills its predecessor's before it serves.
         pool.bill_orphans = OrphanBiller(pool, app[WRITER]).bill

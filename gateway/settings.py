@@ -25,6 +25,11 @@ class GatewaySettings(TracingSettings):
     """Comma-separated base URLs of the engine workers."""
     admin_key: str | None = None
     """Admin key; when unset one is generated into $TOLLWAY_HOME/admin.key (mode 600)."""
+    dashboard_session_ttl_s: float = 12 * 3600
+    """How long a dashboard login lasts (its server-side session and its cookie)."""
+    worker_secret: str | None = None
+    """The workers' shared secret, sent as the bearer of every call to a worker; unset =
+    `$TOLLWAY_HOME/worker.secret`, created there if absent (workers/wire/files.py)."""
     redis_url: str | None = None
     """Redis for shared quotas and key-revocation broadcasts; unset = in-process only."""
     quota_failure_mode: Literal["open", "closed"] = "open"
@@ -42,6 +47,9 @@ class GatewaySettings(TracingSettings):
     within this after its headers gets a 408 and a closed connection."""
     max_file_bytes: int = 100 * 2**20
     """Largest file accepted by POST /v1/files (larger → 413)."""
+    upload_timeout_s: float = 600.0
+    """Longest a file upload (POST /v1/files) may take to arrive in full (then 408); it must also
+    keep making progress: no read of it waits longer than `read_timeout_s`."""
     max_batch_lines: int = 50_000
     """Most requests in one batch input file."""
     max_queued_batch_tokens: int = 10_000_000

@@ -10,6 +10,9 @@ received JSON body is recorded in `requests` (its trace headers in `trace_header
 `--record-bodies` keeps them too, else only their count);
 `fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream: on the
 generate channel, every request on it fails); `healthy = False` makes `/healthz` answer 503.
+Its door is the real worker's (workers/server/auth.py): every /internal/* call needs `secret` as its
+bearer (`FAKE_WORKER_SECRET` unless set; as a process, TOLLWAY_WORKER_SECRET or
+`$TOLLWAY_HOME/worker.secret`, as `tollway worker`), so gateway tests exercise the credential.
 
 `GET /internal/tokenizer` serves a tiny character-level tokenizer (printable ASCII, newline and
 tab, plus ChatML special tokens) with a ChatML chat template, in the real route's shape.
@@ -33,14 +36,19 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ops.startup_heap import frozen_startup_heap
+from workers.server.auth import internal_auth
 from workers.server.billing import BILLING_KEY, setup_billing
 from workers.server.channel import serve_channel, setup_channels
 from workers.server.errors import error
 from workers.server.ledger import UsageLedger
 from workers.server.metrics import WorkerMetrics, make_metrics
+from workers.settings import WorkerSettings
 from workers.wire import generate as protocol  # the real worker's request parsing: no torch, no model
+from workers.wire.files import load_or_create_worker_secret
 from workers.wire.sampling import SamplingParams
 
+FAKE_WORKER_SECRET = "tw-worker-fake-secret"
+"""The test double's credential unless given another (tests give the gateway the same)."""
 SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -59,6 +67,7 @@ class FakeWorker:
     delay_s: float = 0.0  # sleep before each streamed line
     fail_after_tokens: int | None = None  # drop the connection after this many lines
     healthy: bool = True  # False: /healthz answers 503 (generation still works)
+    secret: str = FAKE_WORKER_SECRET  # the bearer every /internal/* call must carry
     # (namespace, prompt_token_ids) -> the cached_tokens to report; None reports 0.
     cached_tokens: Callable[[str, list[int]], int] | None = None
     vocab_size: int = 49_152  # prompt token ids must be in [0, vocab_size), as on the real worker
@@ -287,8 +296,9 @@ def create_fake_worker_app(worker: FakeWorker | None = None, **options: Any) -> 
     """
     if worker is not None and options:
         raise TypeError("pass either a FakeWorker or its options, not both")
-    app = web.Application(client_max_size=16 * 2**20)
-    app[FAKE_WORKER_KEY] = state = worker if worker is not None else FakeWorker(**options)
+    state = worker if worker is not None else FakeWorker(**options)
+    app = web.Application(client_max_size=16 * 2**20, middlewares=[internal_auth(lambda: state.secret)])
+    app[FAKE_WORKER_KEY] = state
     app[METRICS_KEY] = make_metrics(state.info)
     setup_billing(app, UsageLedger())
     app.router.add_post("/internal/generate", generate)
@@ -312,8 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--record-bodies", action="store_true",
                         help="keep every request body in memory (the in-process test hook); off: count them only")
     args = parser.parse_args(argv)
+    settings = WorkerSettings()  # the real worker's rule for its secret
+    secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
     app = create_fake_worker_app(model=args.model, context_length=args.context_length, delay_s=args.delay_s,
-                                 record_bodies=args.record_bodies)
+                                 record_bodies=args.record_bodies, secret=secret)
     app.cleanup_ctx.append(frozen_startup_heap)
     print(f"fake worker (test double, no model) as {args.model!r} on http://{args.host}:{args.port}", flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)

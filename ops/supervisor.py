@@ -4,11 +4,18 @@ Ownership: the supervisor owns its children. Each child is a `tollway` subcomman
 process with its output in `$TOLLWAY_HOME/logs/<name>.log`. A child that exits while the
 supervisor runs is restarted after a backoff that doubles up to 30 s (reset once it has stayed up
 for a minute). Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period).
+
+Before starting anything it migrates the database and loads (or creates, once) the admin key and
+the workers' shared secret (`$TOLLWAY_HOME/worker.secret`, mode 600, unless TOLLWAY_WORKER_SECRET
+is set), which it hands to its gateway and workers as TOLLWAY_WORKER_SECRET. It prints "tollway is
+up" with the URL only once the gateway's `/readyz` answers 200 (an engine worker is in rotation),
+and a progress line every `PROGRESS_EVERY_S` until then.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +32,9 @@ BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
+READY_POLL_S = 0.5
+READY_PROBE_TIMEOUT_S = 2.0  # one GET /readyz
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -69,20 +79,22 @@ def _tollway(*args: str) -> list[str]:
     return [sys.executable, "-m", "ops.cli", *args]
 
 
-def plan_children(home: Path, port: int, num_workers: int, worker_port: int) -> list[Child]:
+def plan_children(home: Path, port: int, num_workers: int, worker_port: int, worker_secret: str) -> list[Child]:
+    """The children of `tollway up`; the gateway and the workers share `worker_secret`."""
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // num_workers)
     env = {**os.environ, "TOLLWAY_HOME": str(home)}
+    secret = {"TOLLWAY_WORKER_SECRET": worker_secret}
     urls = ",".join(f"http://127.0.0.1:{worker_port + i}" for i in range(num_workers))
     children = [
         Child(f"worker-{i}", _tollway("worker", "--port", str(worker_port + i)),
-              {**env, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
+              {**env, **secret, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
               logs / f"worker-{i}.log")
         for i in range(num_workers)
     ]
     children.append(Child("gateway", _tollway("gateway", "--port", str(port)),
-                          {**env, "TOLLWAY_WORKER_URLS": urls}, logs / "gateway.log"))
+                          {**env, **secret, "TOLLWAY_WORKER_URLS": urls}, logs / "gateway.log"))
     children.append(Child("batch-worker", batch_worker_argv(home, port),
                           {**env, "TOLLWAY_GATEWAY_URL": f"http://127.0.0.1:{port}"}, logs / "batch-worker.log"))
     return children
@@ -97,12 +109,19 @@ def batch_worker_argv(home: Path, port: int) -> list[str]:
             "--hostname", f"tollway-{port}@%h", "--without-gossip", "--without-mingle"]
 
 
-def _ready(url: str) -> bool:
+def readiness(url: str) -> tuple[bool, str]:
+    """Whether the gateway's `/readyz` at `url` answers 200, and what is missing when it does not."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return response.status == 200 and b'"workers_healthy": 0' not in response.read()
+        with urllib.request.urlopen(url, timeout=READY_PROBE_TIMEOUT_S) as response:
+            return response.status == 200, "ready"
+    except urllib.error.HTTPError as exc:  # 503: the gateway runs, no worker is in rotation yet
+        try:
+            body = json.loads(exc.read())
+            return False, f"{body['workers_healthy']} of {body['workers_total']} engine workers in rotation"
+        except (ValueError, KeyError, TypeError):
+            return False, f"the gateway answers {exc.code}"
     except (urllib.error.URLError, OSError):
-        return False
+        return False, "the gateway is not answering yet"
 
 
 class Supervisor:
@@ -132,19 +151,31 @@ class Supervisor:
             child.next_start = 0.0
             child.start()
 
-    def run(self, ready_url: str, on_ready: str) -> int:
+    def wait_ready(self, ready_url: str, logs: Path) -> bool:
+        """Tend the children until `/readyz` answers 200 (True) or a stop is asked for (False),
+        printing what is still missing every PROGRESS_EVERY_S."""
+        started = time.monotonic()
+        next_progress = started + PROGRESS_EVERY_S
+        with self.console.status("starting workers and gateway (the first start converts the model, ~20 s)…"):
+            while not self.stopping:
+                for child in self.children:
+                    self._tend(child)
+                ready, state = readiness(ready_url)
+                if ready:
+                    return True
+                now = time.monotonic()
+                if now >= next_progress:
+                    self.console.print(f"still starting after {now - started:.0f} s: {state} (logs in {logs})")
+                    next_progress = now + PROGRESS_EVERY_S
+                time.sleep(READY_POLL_S)
+        return False
+
+    def run(self, ready_url: str, on_ready: str, logs: Path) -> int:
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGTERM, self.request_stop)
         for child in self.children:
             child.start()
-        announced = False
-        with self.console.status("starting workers and gateway (the first start converts the model, ~20 s)…"):
-            while not self.stopping and not announced:
-                for child in self.children:
-                    self._tend(child)
-                announced = _ready(ready_url)
-                time.sleep(0.5)
-        if announced:
+        if self.wait_ready(ready_url, logs):
             self.console.print(on_ready)
         while not self.stopping:
             for child in self.children:
@@ -174,15 +205,16 @@ def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> i
     from accounting.db import upgrade_database
     from accounting.settings import AccountingSettings
     from gateway.settings import GatewaySettings
-    from workers.wire.files import load_or_create_admin_key
+    from workers.wire.files import load_or_create_admin_key, load_or_create_worker_secret
 
     settings = GatewaySettings()
     home = settings.home.resolve()
     upgrade_database(AccountingSettings(home=home, database_url=settings.database_url).url)
     _, key_path = load_or_create_admin_key(settings.admin_key, home)
+    worker_secret, _ = load_or_create_worker_secret(settings.worker_secret, home)
     where = f"in {key_path}" if key_path else "from TOLLWAY_ADMIN_KEY"
     ready = (f"[green]tollway is up[/]: http://127.0.0.1:{port}/v1 (OpenAI-compatible), "
              f"{num_workers} engine worker(s), a batch worker; admin key {where}; logs in {home / 'logs'}. "
              f"Ctrl-C stops.")
-    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port), console)
-    return supervisor.run(f"http://127.0.0.1:{port}/healthz", ready)
+    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port, worker_secret), console)
+    return supervisor.run(f"http://127.0.0.1:{port}/readyz", ready, home / "logs")

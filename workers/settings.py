@@ -32,3 +32,6 @@ class WorkerSettings(TracingSettings):
     attention: Literal["auto", "cpu", "triton", "reference"] = "auto"
     """Attention backend: auto (Triton on CUDA, the CPU path elsewhere), cpu, triton (on a CPU only with
     TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""
+    worker_secret: str | None = None
+    """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,
+    created there if absent (workers/wire/files.py). Give gateways and workers on other hosts the same."""

@@ -59,6 +59,8 @@ def _operation(path: str, method: str, handler: Any) -> dict[str, Any]:
                       "default": {"description": "OpenAI-style error",
                                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
     }
+    if path == "/readyz":
+        operation["responses"]["503"] = {"description": "not ready: no engine worker is in rotation"}
     if path.startswith(("/v1/", "/admin/")):
         operation["security"] = [{"bearer": []}]
     if method == "POST" and path in REQUEST_BODIES:

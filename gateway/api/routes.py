@@ -10,7 +10,11 @@
 | /admin/v1/…     | admin key                 | gateway/auth/admin_api.py, billing/usage_api |
 | /admin/dashboard| admin key or its cookie   | gateway/observability/dashboard.py           |
 | /metrics        | admin key                 | gateway/observability/metrics.py             |
-| /healthz, /openapi.json | anyone            | here                                         |
+| /healthz, /readyz, /openapi.json | anyone   | here                                         |
+
+`/healthz` is liveness (the process answers; 200 whatever the workers do), `/readyz` readiness
+(200 once at least one engine worker is in rotation, 503 before and whenever none is): what a
+load balancer or `tollway up` waits for.
 """
 
 from __future__ import annotations
@@ -27,11 +31,23 @@ from gateway.openai import models, views
 from gateway.state import POOL
 
 
-async def healthz(request: web.Request) -> web.Response:
-    """Liveness of the gateway, with how many workers are in rotation."""
+def _worker_counts(request: web.Request) -> dict[str, int]:
     workers = request.app[POOL].workers.values()
-    return web.json_response({"status": "ok", "workers_healthy": sum(w.healthy for w in workers),
-                              "workers_total": len(workers)})
+    return {"workers_healthy": sum(w.healthy for w in workers), "workers_total": len(workers)}
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness of the gateway (always 200 while it runs), with how many workers are in rotation."""
+    return web.json_response({"status": "ok", **_worker_counts(request)})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 once at least one engine worker is in rotation, else 503 `not_ready`."""
+    counts = _worker_counts(request)
+    if counts["workers_healthy"] == 0:
+        return web.json_response({"status": "not_ready", "reason": "no engine worker is in rotation yet",
+                                  **counts}, status=503, headers={"Retry-After": "1"})
+    return web.json_response({"status": "ready", **counts})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -42,6 +58,7 @@ async def openapi(request: web.Request) -> web.Response:
 def setup_routes(app: web.Application) -> None:
     router = app.router
     router.add_get("/healthz", healthz)
+    router.add_get("/readyz", readyz)
     router.add_get("/openapi.json", openapi)
     router.add_get("/v1/models", models.list_models)
     router.add_get("/v1/models/{model}", models.get_model)

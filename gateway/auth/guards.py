@@ -89,7 +89,7 @@ def admin_page(refused: Callable[[], web.Response]) -> Callable[[Handler], Handl
     def wrap(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def guarded(request: web.Request) -> web.StreamResponse:
-            if not has_dashboard_session(request, request.app[ADMIN_KEY]):
+            if not await has_dashboard_session(request):
                 return refused()
             return await handler(request)
 

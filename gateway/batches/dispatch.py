@@ -4,6 +4,11 @@
 (Redis in production, kombu's SQLAlchemy transport on SQLite for `tollway up`). Nothing connects
 until the first dispatch. A dispatch that fails (broker down) is not fatal: the batch stays
 `validating` with no `dispatched_at`, and the periodic sweep of the Celery workers queues it.
+
+Bounded: connecting to the broker gives up after `BROKER_TIMEOUT_S`, a Redis broker's socket
+operations too, and the request waits for a dispatch at most `DISPATCH_TIMEOUT_S` (the send goes
+on in its thread; if it succeeds late, the sweep may queue the batch a second time, which its
+runner lease makes harmless).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from workers.wire.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.gateway")
 SEND_RETRY_POLICY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
+BROKER_TIMEOUT_S = 5.0
+DISPATCH_TIMEOUT_S = 15.0
 
 
 class BatchDispatcher(Protocol):
@@ -42,6 +49,10 @@ class CeleryDispatcher:
 
             self._app = celery.Celery("tollway-gateway", broker=self.broker_url, set_as_current=False)
             self._app.conf.broker_connection_retry_on_startup = False
+            self._app.conf.broker_connection_timeout = BROKER_TIMEOUT_S
+            # Redis broker: no socket operation waits longer (other transports ignore these).
+            self._app.conf.broker_transport_options = {"socket_timeout": BROKER_TIMEOUT_S,
+                                                       "socket_connect_timeout": BROKER_TIMEOUT_S}
         return self._app
 
     def dispatch(self, batch_id: str) -> None:
@@ -65,10 +76,12 @@ def setup_batches(app: web.Application, broker_url: str) -> None:
 
 
 async def dispatch(app: web.Application, batch_id: str) -> bool:
-    """Queue the batch's run task off the event loop; False (logged) when the broker refused."""
+    """Queue the batch's run task off the event loop; False (logged) when the broker refused or did
+    not answer within DISPATCH_TIMEOUT_S."""
     try:
-        await asyncio.to_thread(app[BATCH_DISPATCHER].dispatch, batch_id)
-    except Exception as exc:  # the broker is down: the sweep queues the batch later
+        async with asyncio.timeout(DISPATCH_TIMEOUT_S):
+            await asyncio.to_thread(app[BATCH_DISPATCHER].dispatch, batch_id)
+    except Exception as exc:  # the broker is down or hangs: the sweep queues the batch later
         log.warning("could not queue batch %s (%r); the batch sweep will queue it", batch_id, exc)
         return False
     return True

@@ -1,11 +1,11 @@
 """`/admin/dashboard`: the built-in dashboard (admin key), server-rendered by gateway/observability/dashboard_render.py.
 
 How a browser presents the admin key: `/admin/dashboard` without it shows a login form; posting
-the key (or opening `/admin/dashboard/login?key=…`, e.g. from a script: the key then sits in the
-browser's history, so prefer the form) sets an HttpOnly, SameSite=Strict cookie scoped to
-/admin/dashboard and redirects to the dashboard. The cookie holds an HMAC of the admin key, never
-the key, and stops working when the key changes; `POST /admin/dashboard/logout` clears it. A
-bearer admin key works too (`curl -H 'Authorization: Bearer …'`).
+the key to `POST /admin/dashboard/login` opens a server-side session (gateway/auth/dashboard_session.py)
+whose random token is set as an HttpOnly, SameSite=Strict cookie scoped to /admin/dashboard, and
+redirects to the dashboard. `GET /admin/dashboard/login` only shows the form: a GET never logs anyone
+in, so the key never rides in a URL (a `?key=` is ignored). `POST /admin/dashboard/logout` deletes
+the session. A bearer admin key works too (`curl -H 'Authorization: Bearer …'`).
 
 What it shows: this gateway process's live traffic (gateway/observability/live_stats.py), every worker's state
 (from the pool's health polls), every tenant's usage this month (SQL), and recent traces as span
@@ -23,6 +23,7 @@ from aiohttp import web
 
 from accounting import reports
 from accounting.prices import decimal_text
+from gateway.api.errors import ApiError
 from gateway.api.transactions import in_transaction
 from gateway.auth.admin import is_admin_key
 from gateway.auth.dashboard_session import COOKIE_PATH, end_session, start_session
@@ -30,7 +31,7 @@ from gateway.auth.guards import admin_page
 from gateway.observability.dashboard_render import DashboardData, login_page, page, panel
 from gateway.observability.metrics import METRICS
 from gateway.observability.tracing import TRACING
-from gateway.state import ADMIN_KEY, POOL
+from gateway.state import ADMIN_KEY, POOL, SETTINGS
 
 MAX_TRACES = 8
 HTML = "text/html"
@@ -94,27 +95,39 @@ async def dashboard_panel(request: web.Request) -> web.StreamResponse:
     return web.Response(text=panel(await collect(request)), content_type=HTML, headers={"Cache-Control": "no-store"})
 
 
+async def login_form(request: web.Request) -> web.Response:
+    """The login form. A GET never logs in (a `?key=` is ignored: keys do not ride in URLs)."""
+    error = "Post the admin key with this form; it is not taken from the URL." if "key" in request.query else None
+    return web.Response(text=login_page(error), content_type=HTML, headers={"Cache-Control": "no-store"})
+
+
 async def login(request: web.Request) -> web.Response:
-    """Check the admin key (form field or ?key=) and set the dashboard's session cookie."""
-    key = request.query.get("key") if request.method == "GET" else (await request.post()).get("key")
-    admin_key = request.app[ADMIN_KEY]
-    if not isinstance(key, str) or not is_admin_key(key.strip(), admin_key):
+    """Check the admin key (the form's `key` field), open a session and set its cookie."""
+    try:
+        async with asyncio.timeout(request.app[SETTINGS].read_timeout_s):
+            form = await request.post()
+    except TimeoutError as exc:
+        raise ApiError(408, "the request body was not received in time", code="request_timeout") from exc
+    except ValueError:  # not a form (aiohttp's parser)
+        form = None
+    key = form.get("key") if form is not None else None
+    if not isinstance(key, str) or not is_admin_key(key.strip(), request.app[ADMIN_KEY]):
         return web.Response(text=login_page("That is not the admin key."), content_type=HTML, status=401)
-    response = web.Response(status=303, headers={"Location": COOKIE_PATH})
-    start_session(response, request, admin_key)
+    response = web.Response(status=303, headers={"Location": COOKIE_PATH, "Cache-Control": "no-store"})
+    await start_session(response, request)
     return response
 
 
 async def logout(request: web.Request) -> web.Response:
-    """Forget the dashboard's session cookie."""
+    """End the dashboard's session (on every replica) and clear its cookie."""
     response = web.Response(status=303, headers={"Location": COOKIE_PATH})
-    end_session(response)
+    await end_session(response, request)
     return response
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
     router.add_get("/admin/dashboard", dashboard)
     router.add_get("/admin/dashboard/panel", dashboard_panel)
-    router.add_get("/admin/dashboard/login", login)
+    router.add_get("/admin/dashboard/login", login_form)
     router.add_post("/admin/dashboard/login", login)
     router.add_post("/admin/dashboard/logout", logout)

@@ -5,6 +5,19 @@ Ownership: a `WorkerChannel` belongs to the pool's entry for one worker URL. It 
 connection on first use (concurrent first callers share the attempt) and again after the worker
 closed it; each `_Connection` owns its reader task and the queues of the requests it carries. When
 a connection ends, every request still on it gets `ChannelClosed`, at once.
+
+Waits, and what bounds them:
+- opening a connection: `connect_timeout_s`;
+- sending a frame: `SEND_TIMEOUT_S` (a worker that stops reading fills the socket's buffer; the
+  request then fails as a closed channel, and the heartbeat ends the connection);
+- closing: `CLOSE_TIMEOUT_S`;
+- waiting for a request's next lines: deliberately no limit of its own. A request may wait long
+  in a busy engine's queue, or decode for minutes; what must not happen is waiting on a worker
+  that is gone, and the websocket heartbeat (`HEARTBEAT_S`: a ping every 15 s, the connection
+  closed when its pong is 7.5 s late) ends the connection, and so every request on it, when the
+  worker or its host stops answering. A worker that answers pings but never finishes a request
+  is a bug in the worker, not a network fault: the client's own timeout and its hang-up (which
+  cancels the request) are what bound that.
 """
 
 from __future__ import annotations
@@ -30,6 +43,8 @@ from workers.wire.channel import (
 from workers.wire.generate import GenerateBody
 
 HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
+SEND_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
 _CLOSED = object()  # put on each waiting queue when the connection ends
 
 
@@ -74,10 +89,12 @@ class _Connection:
 
 
 class WorkerChannel:
-    def __init__(self, url: str, session: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, connect_timeout_s: float,
+                 headers: dict[str, str]) -> None:
         self._url = f"{url}/internal/channel"
         self._session = session
         self._connect_timeout_s = connect_timeout_s
+        self._headers = headers  # the workers' credential (Authorization), sent with the upgrade
         self._connection: _Connection | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._ids = itertools.count()
@@ -93,7 +110,7 @@ class WorkerChannel:
                 try:
                     async with asyncio.timeout(self._connect_timeout_s):
                         ws = await self._session.ws_connect(self._url, max_msg_size=MAX_FRAME_BYTES, compress=0,
-                                                            heartbeat=HEARTBEAT_S)
+                                                            heartbeat=HEARTBEAT_S, headers=self._headers)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise ChannelClosed(f"cannot open the channel: {exc!r}") from exc
                 self._connection = _Connection(ws)
@@ -110,8 +127,9 @@ class WorkerChannel:
         finished = False
         try:
             try:
-                await connection.ws.send_bytes(GenerateFrame(request_id, body, headers).encode())
-            except (aiohttp.ClientError, ConnectionError) as exc:
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    await connection.ws.send_bytes(GenerateFrame(request_id, body, headers).encode())
+            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
                 raise ChannelClosed(f"cannot send to the worker: {exc!r}") from exc
             while not finished:
                 frame: LinesFrame | ErrorFrame | object = await queue.get()
@@ -158,15 +176,18 @@ class WorkerChannel:
         if not connection.open:
             return False
         try:
-            await connection.ws.send_bytes(CancelFrame(channel_id).encode())
-        except (aiohttp.ClientError, ConnectionError):
-            return False
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await connection.ws.send_bytes(CancelFrame(channel_id).encode())
+        except (aiohttp.ClientError, ConnectionError, TimeoutError):
+            return False  # the caller falls back to the HTTP cancel route
         return True
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
         if connection is not None:
-            await connection.ws.close()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await connection.ws.close()
             connection.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await connection.reader

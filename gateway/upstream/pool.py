@@ -6,6 +6,12 @@ learns from them (each model's context length and tokenizer, fetched once from a
 fails a poll or a request is out of rotation until a poll succeeds again. `in_flight` counts the
 gateway's own open requests to a worker (the router's load signal); only `stream()` changes it.
 Requests go over each worker's generate channel (gateway/upstream/channel.py), not one HTTP call each.
+
+Every call to a worker (polls, tokenizer, cancel, traces, the channel's upgrade) carries the workers'
+shared secret as its bearer (workers/server/auth.py); a worker that answers 401 holds another secret,
+and is logged as such. Every wait here is bounded: polls, cancels and trace fetches by
+`_poll_timeout`, the tokenizer download by `TOKENIZER_TIMEOUT_S`; a request's stream by the channel
+(gateway/upstream/channel.py).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from workers.wire.telemetry import PROPAGATOR
 from workers.wire.tokenizer import TextTokenizer
 
 log = logging.getLogger("tollway.gateway")
+TOKENIZER_TIMEOUT_S = 30.0
+WRONG_SECRET = ("the worker refused this gateway's credential: give gateways and workers the same "
+                "TOLLWAY_WORKER_SECRET (or one shared $TOLLWAY_HOME/worker.secret)")
 
 
 class UpstreamUnavailable(Exception):
@@ -64,14 +73,15 @@ class ModelEntry:
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], session: aiohttp.ClientSession, *, health_interval_s: float = 1.0,
-                 connect_timeout_s: float = 2.0, tracer: Tracer | None = None) -> None:
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession, *, secret: str,
+                 health_interval_s: float = 1.0, connect_timeout_s: float = 2.0, tracer: Tracer | None = None) -> None:
         self.workers = {url.rstrip("/"): WorkerState(url.rstrip("/")) for url in urls}
         self.models: dict[str, ModelEntry] = {}
         self._session = session
+        self._auth = {"Authorization": f"Bearer {secret}"}  # on every call to a worker
         self._health_interval_s = health_interval_s
         # One generate channel per worker, shared by all of this gateway's requests to it.
-        self._channels = {url: WorkerChannel(url, session, connect_timeout_s) for url in self.workers}
+        self._channels = {url: WorkerChannel(url, session, connect_timeout_s, self._auth) for url in self.workers}
         self._poll_timeout = aiohttp.ClientTimeout(total=max(connect_timeout_s, 2.0))
         self._task: asyncio.Task[None] | None = None
         self._tracer = tracer  # None: no span, no traceparent
@@ -101,13 +111,19 @@ class WorkerPool:
     async def poll(self, worker: WorkerState) -> None:
         """Refresh one worker's health and model; learn the model's tokenizer the first time."""
         try:
-            async with self._session.get(f"{worker.url}/internal/info", timeout=self._poll_timeout) as response:
+            async with self._session.get(f"{worker.url}/internal/info", headers=self._auth,
+                                         timeout=self._poll_timeout) as response:
+                if response.status == 401:
+                    if worker.last_error != WRONG_SECRET:
+                        log.warning("worker %s: %s", worker.url, WRONG_SECRET)
+                    self.mark_down(worker, WRONG_SECRET)
+                    return
                 response.raise_for_status()
                 info = await response.json(loads=orjson.loads)
             model = str(info["model"])
             if model not in self.models:
-                async with self._session.get(f"{worker.url}/internal/tokenizer",
-                                             timeout=aiohttp.ClientTimeout(total=30)) as response:
+                async with self._session.get(f"{worker.url}/internal/tokenizer", headers=self._auth,
+                                             timeout=aiohttp.ClientTimeout(total=TOKENIZER_TIMEOUT_S)) as response:
                     response.raise_for_status()
                     payload = await response.json(loads=orjson.loads)
                 self.models[model] = ModelEntry(model, int(info["context_length"]), TextTokenizer.from_payload(payload))
@@ -136,13 +152,14 @@ class WorkerPool:
 
     async def orphans(self, url: str) -> list[dict[str, Any]]:
         """The worker's orphaned usage: billed requests whose channel closed before their ack."""
-        async with self._session.get(f"{url}/internal/usage/orphans", timeout=self._poll_timeout) as response:
+        async with self._session.get(f"{url}/internal/usage/orphans", headers=self._auth,
+                                     timeout=self._poll_timeout) as response:
             response.raise_for_status()
             return list((await response.json(loads=orjson.loads))["orphans"])
 
     async def acknowledge_orphans(self, url: str, request_ids: list[str]) -> None:
         async with self._session.post(f"{url}/internal/usage/ack", json={"request_ids": request_ids},
-                                      timeout=self._poll_timeout) as response:
+                                      headers=self._auth, timeout=self._poll_timeout) as response:
             response.raise_for_status()
 
     async def cancel(self, url: str, request_id: str) -> None:
@@ -151,7 +168,7 @@ class WorkerPool:
         if await self._channels[url].cancel(request_id):
             return
         try:
-            async with self._session.post(f"{url}/internal/requests/{request_id}/cancel",
+            async with self._session.post(f"{url}/internal/requests/{request_id}/cancel", headers=self._auth,
                                           timeout=self._poll_timeout) as response:
                 await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -209,7 +226,7 @@ class WorkerPool:
         """The worker's finished spans of these traces (its ring buffer); [] when it has none or fails."""
         try:
             async with self._session.get(f"{url}/internal/traces", params=[("trace_id", t) for t in trace_ids],
-                                         timeout=self._poll_timeout) as response:
+                                         headers=self._auth, timeout=self._poll_timeout) as response:
                 if response.status != 200:
                     return []
                 return list((await response.json(loads=orjson.loads))["spans"])

@@ -67,6 +67,7 @@ from accounting.tenants import create_key, create_tenant
 from ops.bench.gateway_overhead_report import finite, print_report
 from ops.bench.http_load import (
     WARMUP_S,
+    WORKER_AUTH,
     Request,
     RunResult,
     Service,
@@ -145,7 +146,8 @@ def direct_request(worker_url: str, stream: bool, tokens: int) -> Request:
         return orjson.dumps({"request_id": f"bench-{next(ids)}", "namespace": "bench", "stream": stream,
                              "prompt_token_ids": DIRECT_PROMPT_IDS, "sampling": {"max_tokens": tokens}})
 
-    return post_request(f"{worker_url}/internal/generate", body, {"Content-Type": "application/json"}, "worker")
+    return post_request(f"{worker_url}/internal/generate", body, {"Content-Type": "application/json", **WORKER_AUTH},
+                        "worker")
 
 
 def gateway_request(gateway_url: str, key: str, model: str, stream: bool, tokens: int) -> Request:
@@ -163,7 +165,7 @@ async def sanity_check(session: aiohttp.ClientSession, worker_url: str, gateway_
     """One request each way, checked, before timing anything."""
     body = {"request_id": "bench-check", "namespace": "bench", "prompt_token_ids": DIRECT_PROMPT_IDS,
             "sampling": {"max_tokens": tokens, "ignore_eos": True}}
-    async with session.post(f"{worker_url}/internal/generate", json=body) as response:
+    async with session.post(f"{worker_url}/internal/generate", json=body, headers=WORKER_AUTH) as response:
         lines = [orjson.loads(line) for line in (await response.read()).splitlines() if line.strip()]
     if response.status != 200 or lines[-1].get("usage", {}).get("completion_tokens") != tokens:
         raise RuntimeError(f"unexpected direct answer ({response.status}): {lines[-1:]}")
@@ -197,7 +199,7 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
             await wait_healthy(session, worker, f"{worker_url}/healthz", lambda _: True)
             await wait_healthy(session, gateway, f"{gateway_url}/healthz",
                                lambda body: body.get("workers_healthy", 0) >= 1)
-            async with session.get(f"{worker_url}/internal/info") as response:
+            async with session.get(f"{worker_url}/internal/info", headers=WORKER_AUTH) as response:
                 model = (await response.json())["model"]
             await sanity_check(session, worker_url, gateway_url, key, model, args.tokens)
         print(f"fake worker pid {worker.pid} at {worker_url}; gateway pid {gateway.pid} at {gateway_url}; "

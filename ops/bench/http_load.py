@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -74,9 +75,15 @@ class Service:
         self._log.close()
 
 
+WORKER_SECRET = secrets.token_urlsafe(24)
+"""Every bench process's workers' secret (set by `child_env`); direct calls to a worker send `WORKER_AUTH`."""
+WORKER_AUTH = {"Authorization": f"Bearer {WORKER_SECRET}"}
+
+
 def child_env(**tollway: str) -> dict[str, str]:
-    """This environment without any inherited TOLLWAY_* setting, plus `tollway`."""
+    """This environment without any inherited TOLLWAY_* setting, plus the bench's worker secret and `tollway`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOLLWAY_")}
+    env["TOLLWAY_WORKER_SECRET"] = WORKER_SECRET
     env.update(tollway)
     return env
 

@@ -42,7 +42,16 @@ from ops.bench.gateway_overhead import (
     prepare_home,
     sanity_check,
 )
-from ops.bench.http_load import REPO_ROOT, RunResult, Service, child_env, closed_loop, free_port, wait_healthy
+from ops.bench.http_load import (
+    REPO_ROOT,
+    WORKER_AUTH,
+    RunResult,
+    Service,
+    child_env,
+    closed_loop,
+    free_port,
+    wait_healthy,
+)
 
 GOAL_ADDED = 0.05
 MODES = ("off", "ring", "otlp", "otlp10")
@@ -121,7 +130,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, list[RunResult]
             for mode, (gateway, url) in gateways.items():
                 worker_url = workers[mode][1]
                 await wait_healthy(session, gateway, f"{url}/healthz", lambda body: body.get("workers_healthy", 0) >= 1)
-                async with session.get(f"{worker_url}/internal/info") as response:
+                async with session.get(f"{worker_url}/internal/info", headers=WORKER_AUTH) as response:
                     model = (await response.json())["model"]
                 await sanity_check(session, worker_url, url, key, model, DEFAULT_TOKENS)
         print(f"{args.upstream} upstream; gateways: "

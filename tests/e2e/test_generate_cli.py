@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.required import unavailable
+
 pytestmark = pytest.mark.slow
 
 PROMPT = "Write a haiku about caching."
@@ -20,7 +22,7 @@ PROMPT = "Write a haiku about caching."
 def tollway_executable() -> str:
     found = shutil.which("tollway", path=str(Path(sys.executable).parent))
     if found is None:
-        pytest.skip("the tollway console script is not installed in this environment")
+        unavailable("the tollway console script is not installed in this environment")
     return found
 
 

@@ -23,13 +23,15 @@ import yaml
 from tests.conftest import REPO_ROOT
 from tests.e2e.tollway_up import start_tollway
 from tests.net import free_port
+from tests.required import require_executable
 
 PROMETHEUS = Path(os.environ.get("TOLLWAY_PROMETHEUS", "/usr/bin/prometheus"))
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
-                       reason=f"{PROMETHEUS} is missing: install Debian's prometheus (ops/test does, as root)"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def prometheus_present() -> None:
+    require_executable(PROMETHEUS, "install Debian's prometheus (ops/test does, as root)")
 MODEL = "smollm2-135m-instruct"
 
 

@@ -22,6 +22,7 @@ from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.report_render import COLOURS, to_html
 from accounting.reports import usage_report
 from tests.conftest import REPO_ROOT
+from tests.required import require_executable
 from tests.unit.accounting.test_billing import MONTH, seed
 
 CHROMIUM = Path(os.environ.get("TOLLWAY_CHROMIUM", "/usr/bin/chromium"))
@@ -30,9 +31,11 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
          "--hide-scrollbars", "--force-device-scale-factor=1", "--window-size=1200,900")
 
-pytestmark = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK),
-    reason=f"{CHROMIUM} is missing: install Debian's chromium (ops/test does, as root) to run the browser tests")
+
+
+@pytest.fixture(autouse=True)
+def chromium_present() -> None:
+    require_executable(CHROMIUM, "install Debian's chromium (ops/test does, as root) to run the browser tests")
 
 
 def chromium(tmp_path: Path, page: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -41,6 +41,10 @@ class Tollway:
             raise AssertionError(f"tollway {' '.join(args)} failed: {done.stderr}")
         return done.stdout
 
+    def worker_auth(self) -> dict[str, str]:
+        """The header of a call to one of its workers' /internal/* routes (the secret `up` made)."""
+        return {"Authorization": f"Bearer {(self.home / 'worker.secret').read_text().strip()}"}
+
     def new_key(self, tenant: str) -> str:
         self.cli("tenants", "create", tenant)
         return self.cli("keys", "create", "--tenant", tenant).strip()

@@ -59,9 +59,10 @@ class Cluster:
     def start(cls, home: Path, database_url: str, delay_s: float = 0.0, **env: str) -> Cluster:
         home.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        # The fake worker and the gateways find the workers' secret in the same home, as `tollway up`'s do.
         worker = subprocess.Popen([sys.executable, "-m", "ops.fake_worker", "--port", str(port),
                                    "--delay-s", str(delay_s)], stdout=subprocess.DEVNULL,
-                                  stderr=(home / "worker.log").open("wb"))
+                                  stderr=(home / "worker.log").open("wb"), env={**os.environ, "TOLLWAY_HOME": str(home)})
         url = f"http://127.0.0.1:{port}"
         wait_for(f"{url}/healthz", lambda body: True, worker)
         env = {**os.environ, "TOLLWAY_HOME": str(home), "TOLLWAY_DATABASE_URL": database_url,
@@ -75,14 +76,15 @@ class Cluster:
                                    env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.gateways[port] = process
         url = f"http://127.0.0.1:{port}"
-        wait_for(f"{url}/healthz", lambda body: body["workers_healthy"] >= 1, process)
+        wait_for(f"{url}/readyz", lambda body: body["status"] == "ready", process)
         return url
 
     def kill_gateway(self, port: int) -> None:
         self.gateways.pop(port).send_signal(signal.SIGKILL)
 
     def worker_info(self) -> dict:
-        return get_json(f"{self.worker_url}/internal/info")
+        secret = (self.home / "worker.secret").read_text().strip()
+        return get_json(f"{self.worker_url}/internal/info", {"Authorization": f"Bearer {secret}"})
 
     def stop(self) -> None:
         for process in [*self.gateways.values(), self.worker]:

@@ -32,6 +32,7 @@ EXPECTED_COLUMNS = {
                 "cancelling_at", "cancelled_at", "estimated_tokens", "runner_id", "lease_until", "dispatched_at"},
     "batch_results": {"id", "batch_id", "line", "custom_id", "request_id", "status_code", "body", "error_code",
                       "error_message", "prompt_tokens", "cached_tokens", "completion_tokens", "created_at"},
+    "dashboard_sessions": {"token_hash", "admin_key_fingerprint", "created_at", "expires_at"},
 }
 
 

@@ -1,11 +1,15 @@
 """Private Redis and PostgreSQL servers for the fault tests: started on a free port in a temp
 folder, stopped and restarted by the test, removed afterwards. The machine's own servers (6379,
-5432) are never touched. Each `start_*` skips the test with the reason when it cannot run here."""
+5432) are never touched. Each `start_*` skips the test with the reason when it cannot run here
+(fails it under TOLLWAY_REQUIRE_SERVICES=1: tests/required.py). PostgreSQL's server binaries are
+found, not assumed: `pg_config --bindir`, else the newest /usr/lib/postgresql/*/bin."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -14,11 +18,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from tests.net import free_port
+from tests.required import unavailable
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+@functools.cache
+def postgres_bin() -> Path | None:
+    """The folder of initdb and pg_ctl: `pg_config --bindir` (libpq's packages put pg_config on PATH),
+    else the newest version under /usr/lib/postgresql (Debian keeps server binaries off PATH)."""
+    candidates: list[Path] = []
+    if shutil.which("pg_config"):
+        done = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=False, timeout=10)
+        if done.returncode == 0 and done.stdout.strip():
+            candidates.append(Path(done.stdout.strip()))
+
+    def version(folder: Path) -> tuple[int, ...]:
+        return tuple(int(n) for n in re.findall(r"\d+", folder.parent.name)) or (0,)
+
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=version, reverse=True)
+    if shutil.which("initdb"):
+        candidates.append(Path(shutil.which("initdb")).parent)  # type: ignore[arg-type]
+    return next((folder for folder in candidates if (folder / "initdb").exists()
+                 and (folder / "pg_ctl").exists()), None)
 
 
 def wait_port(port: int, up: bool, timeout_s: float = 20.0) -> None:
@@ -66,7 +87,7 @@ class PrivateRedis:
 
 def start_redis(folder: Path) -> PrivateRedis:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("redis-server / redis-cli are not on PATH")
+        unavailable("redis-server / redis-cli are not on PATH")
     folder.mkdir(parents=True, exist_ok=True)
     redis = PrivateRedis(folder, free_port())
     redis.start()
@@ -84,7 +105,9 @@ class PrivatePostgres:
         return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/postgres"
 
     def _ctl(self, *args: str) -> None:
-        command = [str(PG_BIN / "pg_ctl"), "-D", str(self.folder / "data"), "-w", "-t", "30", *args]
+        bindir = postgres_bin()
+        assert bindir is not None  # start_postgres checked
+        command = [str(bindir / "pg_ctl"), "-D", str(self.folder / "data"), "-w", "-t", "30", *args]
         subprocess.run(as_user(self.user, command), check=True, capture_output=True, timeout=60)
 
     def start(self) -> None:
@@ -110,25 +133,27 @@ def as_user(user: str, command: list[str]) -> list[str]:
 
 def start_postgres() -> PrivatePostgres:
     """initdb + pg_ctl start on a free port; as root the server runs as the `postgres` OS user."""
-    if not (PG_BIN / "initdb").exists():
-        pytest.skip(f"PostgreSQL binaries not found in {PG_BIN}")
+    bindir = postgres_bin()
+    if bindir is None:
+        unavailable("PostgreSQL's server binaries (initdb, pg_ctl) not found: neither `pg_config --bindir` "
+                    "nor /usr/lib/postgresql/*/bin has them")
     user = pwd.getpwuid(os.geteuid()).pw_name
     if os.geteuid() == 0:
         if shutil.which("runuser") is None:
-            pytest.skip("running as root without runuser: initdb refuses root")
+            unavailable("running as root without runuser: initdb refuses root")
         try:
             pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no `postgres` OS user to run initdb as")
+            unavailable("running as root and there is no `postgres` OS user to run initdb as")
         user = "postgres"
     folder = Path(tempfile.mkdtemp(prefix="tollway-pg-"))
     shutil.chown(folder, user=user)
     server = PrivatePostgres(folder, free_port(), user)
-    initdb = [str(PG_BIN / "initdb"), "-D", str(folder / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+    initdb = [str(bindir / "initdb"), "-D", str(folder / "data"), "-U", "postgres", "--auth=trust", "-E", "UTF8",
               "--no-sync"]
     done = subprocess.run(as_user(user, initdb), capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         shutil.rmtree(folder, ignore_errors=True)
-        pytest.skip(f"initdb failed here: {done.stderr.strip()[-300:]}")
+        unavailable(f"initdb failed here: {done.stderr.strip()[-300:]}")
     server.start()
     return server

@@ -8,20 +8,19 @@ import os
 
 import pytest
 import requests
+import schemathesis  # a dev dependency, like pytest itself
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
-from tests.reliability.conftest import FakeStack
-from tests.reliability.stack import ADMIN_KEY, headers
-
-schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra (ops/test installs it)")
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.generation import GenerationMode  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation import GenerationMode
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
+
+from tests.reliability.conftest import FakeStack
+from tests.reliability.stack import ADMIN_KEY, headers
 
 pytestmark = pytest.mark.reliability
 MIN_REQUESTS = int(os.environ.get("TOLLWAY_FUZZ_REQUESTS", "2000"))

@@ -150,7 +150,7 @@ def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
     growth = {name: (final[name] - baseline[name]) / baseline[name] for name in pids}
     for name in pids:
         assert growth[name] <= RSS_GROWTH_BOUND, f"{name} RSS grew {growth[name]:.1%}"
-    info = get_json(f"http://127.0.0.1:{tollway.worker_port}/internal/info")
+    info = get_json(f"http://127.0.0.1:{tollway.worker_port}/internal/info", tollway.worker_auth())
     blocks = info["blocks"]
     assert info["running"] == 0 and info["waiting"] == 0, info
     assert blocks["free"] + blocks["evictable"] == blocks["total"], f"KV blocks leaked: {blocks}"

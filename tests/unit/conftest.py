@@ -11,6 +11,8 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel, load_model
 from workers.server.app import create_worker_app
 
+WORKER_SECRET = "tw-worker-unit-secret"
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
@@ -22,8 +24,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest_asyncio.fixture
 async def worker(tiny: LoadedModel, aiohttp_client):
-    """The real worker app on the tiny model, served: (test client, its AsyncEngine)."""
+    """The real worker app on the tiny model, served: (test client, its AsyncEngine). The client
+    sends the worker's secret (`WORKER_SECRET`) on every call, as the gateway does."""
     engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
-    client = await aiohttp_client(create_worker_app(engine))
+    client = await aiohttp_client(create_worker_app(engine, secret=WORKER_SECRET),
+                                  headers={"Authorization": f"Bearer {WORKER_SECRET}"})
     yield client, engine
     engine.shutdown()

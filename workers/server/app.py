@@ -16,6 +16,12 @@ GET  /internal/tokenizer the model's tokenizer files, so the gateway tokenizes w
 GET  /internal/traces?trace_id=…  this worker's finished spans of those traces (when tracing is on)
 GET  /healthz            liveness
 GET  /metrics            Prometheus text format (workers/server/metrics.py)
+
+The door (workers/server/auth.py): every /internal/* route answers 401 without the gateway's
+credential, `Authorization: Bearer <workers' shared secret>` (the channel before its upgrade);
+/healthz and /metrics are open. The secret is what makes the gateway the only caller, and so the
+only one that sets a request's `namespace`: a client can never pick another tenant's cache
+namespace, because no client can reach this API. Bind it to 127.0.0.1 or a private network.
 With tracing on, a generate call's `traceparent` header (or a channel frame's) makes its
 `worker.generate` span (and the engine's phase spans under it) part of the caller's trace.
 Bad input answers 400 with {"error": {"message", "type"}}; never a 500 for a caller's mistake.
@@ -41,6 +47,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 from workers.models.tokenizer import tokenizer_payload
+from workers.server.auth import internal_auth
 from workers.server.billing import BILLING_KEY, setup_billing
 from workers.server.channel import serve_channel, setup_channels
 from workers.server.errors import error
@@ -230,11 +237,14 @@ async def traces(request: web.Request) -> web.Response:
     return web.json_response({"spans": spans}, dumps=lambda o: orjson.dumps(o).decode())
 
 
-def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None,
+def create_worker_app(engine: AsyncEngine, tracing: WorkerTracing | None = None, *, secret: str,
                       ledger_path: Path | None = None) -> web.Application:
-    """`tracing`: the worker's tracer (the engine was built with the same one), or None (off).
-    `ledger_path`: where unacknowledged usage is kept across restarts (None: in memory only)."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    """`tracing`: the worker's tracer (the engine was built with the same one), or None (off);
+    `secret`: the workers' shared secret every /internal/* call must present; `ledger_path`: where
+    unacknowledged usage is kept across restarts (None: in memory only)."""
+    if not secret:
+        raise ValueError("a worker needs a non-empty secret")
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[internal_auth(lambda: secret)])
     app[ENGINE_KEY] = engine
     billing = setup_billing(app, UsageLedger(ledger_path))
 

@@ -11,6 +11,9 @@ import logging
 
 log = logging.getLogger("tollway")
 INVALIDATION_CHANNEL = "tollway:auth:invalidate"
+PUBLISH_TIMEOUT_S = 2.0
+"""Connecting, then publishing, each give up after this; no retry (a lost invalidation only means
+replicas catch up within their cache TTL)."""
 
 
 def publish_invalidation(redis_url: str | None) -> None:
@@ -18,9 +21,12 @@ def publish_invalidation(redis_url: str | None) -> None:
     if not redis_url:
         return
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     try:
-        client = redis.from_url(redis_url, socket_timeout=2)
+        client = redis.from_url(redis_url, socket_connect_timeout=PUBLISH_TIMEOUT_S, socket_timeout=PUBLISH_TIMEOUT_S,
+                                retry=Retry(NoBackoff(), 0))
         client.publish(INVALIDATION_CHANNEL, b"keys")
         client.close()
     except redis.RedisError as exc:

@@ -1,13 +1,23 @@
-"""Validation of batch input files: every rule, with the line numbers an editor would show."""
+"""Validation of batch input files: every rule, with the line numbers an editor would show. Every case
+runs both ways, in memory (`validate_batch_input`) and from a file on disk read line by line
+(`check_batch_input_file`, what an upload uses), and both must agree."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from accounting.batch_input import MAX_REPORTED_PROBLEMS, BatchInputError, validate_batch_input
+from accounting.batch_input import (
+    MAX_REPORTED_PROBLEMS,
+    BatchInputCheck,
+    BatchInputError,
+    check_batch_input_file,
+    validate_batch_input,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -18,9 +28,27 @@ def line(custom_id: str = "r1", *, url: str = CHAT, method: str = "POST", body: 
     return json.dumps(item)
 
 
+def on_disk(data: bytes, max_line_bytes: int = 10**9, **limits: int) -> BatchInputCheck | BatchInputError:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "in.jsonl"
+        path.write_bytes(data)
+        try:
+            return check_batch_input_file(path, max_line_bytes=max_line_bytes, **limits)
+        except BatchInputError as error:
+            return error
+
+
 def validate(text: str | bytes, *, max_lines: int = 100, max_bytes: int = 10_000):
     data = text.encode() if isinstance(text, str) else text
-    return validate_batch_input(data, max_lines=max_lines, max_bytes=max_bytes)
+    from_disk = on_disk(data, max_lines=max_lines, max_bytes=max_bytes)
+    try:
+        parsed = validate_batch_input(data, max_lines=max_lines, max_bytes=max_bytes)
+    except BatchInputError as error:
+        assert isinstance(from_disk, BatchInputError), from_disk
+        assert (from_disk.problems, from_disk.total) == (error.problems, error.total)
+        raise
+    assert from_disk == BatchInputCheck(parsed.endpoint, len(parsed.requests))
+    return parsed
 
 
 def problems(text: str | bytes, **limits: int) -> list[str]:
@@ -119,3 +147,12 @@ def test_only_the_first_problems_are_listed() -> None:
 
 def test_extra_fields_are_ignored() -> None:
     assert validate(line("a", note="hello")).requests[0].custom_id == "a"
+
+
+def test_on_disk_a_line_longer_than_a_request_body_is_a_problem_of_its_own() -> None:
+    long, other = (line(name, body={"model": "m", "prompt": "x" * 500}) for name in ("lng1", "lng2"))
+    text = "\n".join([line("a"), long, line("b"), other + "   "]).encode()
+    error = on_disk(text, max_line_bytes=len(long) + 1, max_lines=10, max_bytes=10_000)  # the 2nd fits, newline and all
+    assert isinstance(error, BatchInputError)
+    assert error.problems == ["line 4: longer than the largest request body the gateway accepts"]
+    assert on_disk(text[:-3], max_line_bytes=len(long), max_lines=10, max_bytes=10_000) == BatchInputCheck(CHAT, 4)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,35 @@ def test_the_admin_key_is_generated_once_with_mode_600(tmp_path: Path) -> None:
     assert path is not None and path.stat().st_mode & 0o777 == 0o600
     assert load_or_create_admin_key(None, tmp_path) == (key, path)
     assert load_or_create_admin_key("configured", tmp_path) == ("configured", None)
+
+
+@pytest.mark.asyncio
+async def test_the_invalidation_listener_gives_up_on_a_silent_redis_and_retries(caplog) -> None:
+    """Subscribing to a Redis that never answers times out (socket_timeout) and the listener
+    retries, rather than hanging with a stale cache."""
+    from gateway.auth.invalidation import REDIS_TIMEOUT_S, listen_for_invalidations
+    from tests.net import silent_listener
+
+    cache = KeyCache(lambda: None, 5.0)  # type: ignore[arg-type,return-value]
+    with silent_listener() as port:
+        listener = asyncio.create_task(listen_for_invalidations(f"redis://127.0.0.1:{port}/0", cache))
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S * 3):
+                while "auth invalidation channel lost" not in caplog.text:
+                    await asyncio.sleep(0.05)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+    assert "Timeout" in caplog.text
+
+
+def test_publishing_an_invalidation_to_a_silent_redis_gives_up(caplog) -> None:
+    from tests.net import silent_listener
+    from workers.wire.key_events import PUBLISH_TIMEOUT_S, publish_invalidation
+
+    with silent_listener() as port:
+        started = time.monotonic()
+        publish_invalidation(f"redis://127.0.0.1:{port}/0")
+    assert time.monotonic() - started < PUBLISH_TIMEOUT_S * 2
+    assert "could not publish key invalidation" in caplog.text

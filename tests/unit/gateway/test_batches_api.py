@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.batches.dispatch import BATCH_DISPATCHER
 from gateway.settings import GatewaySettings
 from gateway.state import SETTINGS
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_files_api import form
 from tests.unit.gateway.test_gateway_api import MODEL, make_tenant_key
 
@@ -85,7 +85,7 @@ async def env(aiohttp_client, aiohttp_server, tmp_path: Path) -> Env:
     url = f"sqlite:///{tmp_path}/tollway.db"
     acme_id, acme = make_tenant_key(url, "acme", rpm=1)
     _, globex = make_tenant_key(url, "globex")
-    settings = GatewaySettings(home=tmp_path, worker_urls=str(server.make_url("")).rstrip("/"), admin_key=ADMIN,
+    settings = GatewaySettings(home=tmp_path, worker_secret=FAKE_WORKER_SECRET, worker_urls=str(server.make_url("")).rstrip("/"), admin_key=ADMIN,
                                health_interval_s=0.2)
     app = create_app(settings)
     dispatcher = RecordingDispatcher()

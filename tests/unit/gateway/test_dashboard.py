@@ -1,5 +1,6 @@
-"""/admin/dashboard: admin-key login by form or ?key= (a cookie, never the key itself), the live
-panel after traffic, and trace waterfalls joining the gateway's and the worker's spans."""
+"""/admin/dashboard: admin-key login by POST form only (a random session token as the cookie, never
+the key; sessions themselves: test_dashboard_session.py), the live panel after traffic, and trace
+waterfalls joining the gateway's and the worker's spans."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from gateway.auth.dashboard_session import COOKIE, session_token
+from gateway.auth.dashboard_session import COOKIE
 from tests.unit.gateway.test_tracing import Traced, start, streamed_chat
 
 pytestmark = pytest.mark.asyncio
@@ -66,18 +67,22 @@ async def test_the_dashboard_needs_the_admin_key(stack) -> None:
     response = await client.post("/admin/dashboard/login", data={"key": ADMIN_KEY}, allow_redirects=False)
     assert response.status == 303 and response.headers["Location"] == "/admin/dashboard"
     cookie = response.cookies[COOKIE]
-    assert cookie.value == session_token(ADMIN_KEY) and ADMIN_KEY not in cookie.value
+    assert len(cookie.value) >= 43 and ADMIN_KEY not in cookie.value  # a random token, not the key
     assert cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == "/admin/dashboard"
+    assert cookie["max-age"] == str(12 * 3600)
     assert (await client.get("/admin/dashboard")).status == 200  # the cookie jar now holds it
     response = await client.post("/admin/dashboard/logout", allow_redirects=False)
     assert response.status == 303 and response.cookies[COOKIE].value == ""
+    client.session.cookie_jar.update_cookies({COOKIE: cookie.value})  # the old cookie, kept by someone
+    assert (await client.get("/admin/dashboard")).status == 401  # the session itself is gone
 
 
-async def test_login_by_query_and_bearer(stack) -> None:
+async def test_a_get_never_logs_in_and_the_bearer_works(stack) -> None:
     client, _, _ = stack
     response = await client.get(f"/admin/dashboard/login?key={ADMIN_KEY}", allow_redirects=False)
-    assert response.status == 303 and response.cookies[COOKIE].value == session_token(ADMIN_KEY)
-    client.session.cookie_jar.clear()
+    assert response.status == 200 and 'method="post"' in await response.text()  # the form, nothing more
+    assert COOKIE not in response.cookies and "Set-Cookie" not in response.headers
+    assert (await client.get("/admin/dashboard")).status == 401
     response = await client.get("/admin/dashboard", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert response.status == 200 and response.headers["Cache-Control"] == "no-store"
 

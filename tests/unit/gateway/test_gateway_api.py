@@ -19,7 +19,7 @@ from gateway.api.openapi import BROWSER_PAGES
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from gateway.state import POOL, ROUTER
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 
 pytestmark = pytest.mark.asyncio
 ADMIN = {"Authorization": "Bearer test-admin-key"}
@@ -39,6 +39,7 @@ def make_tenant_key(url: str, name: str = "acme", **quotas: int) -> tuple[int, s
 
 async def start_gateway(aiohttp_client, tmp_path: Path, worker_urls: list[str], **overrides):
     settings = GatewaySettings(home=tmp_path, worker_urls=",".join(worker_urls), admin_key="test-admin-key",
+                               worker_secret=FAKE_WORKER_SECRET,
                                health_interval_s=0.2, **overrides)
     return await aiohttp_client(create_app(settings))
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.observability.live_stats import LiveStats
 from gateway.settings import GatewaySettings
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import ADMIN, MODEL, chat, make_tenant_key
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
@@ -31,7 +31,7 @@ async def test_gateway_metrics_count_requests_tokens_and_rejections(aiohttp_clie
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db", "acme", rpm=2)
     client = await aiohttp_client(create_app(GatewaySettings(
         home=tmp_path, worker_urls=str(server.make_url("")).rstrip("/"), admin_key="test-admin-key",
-        health_interval_s=0.2)))
+        worker_secret=FAKE_WORKER_SECRET, health_interval_s=0.2)))
     auth = {"Authorization": f"Bearer {key}"}
     assert (await client.post("/v1/chat/completions", headers=auth, json=chat())).status == 200
     streamed = await client.post("/v1/chat/completions", headers=auth, json=chat(stream=True, max_tokens=5))
@@ -71,7 +71,7 @@ async def test_gateway_metrics_count_requests_tokens_and_rejections(aiohttp_clie
 async def test_worker_metrics_expose_engine_state(aiohttp_client, tiny) -> None:
     engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
     try:
-        client = await aiohttp_client(create_worker_app(engine))
+        client = await aiohttp_client(create_worker_app(engine, secret="s"), headers={"Authorization": "Bearer s"})
         body = {"request_id": "r1", "namespace": "t", "prompt_token_ids": list(range(5, 45)),
                 "sampling": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
         for request_id in ("r1", "r2"):

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gateway.state import POOL
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import MODEL, chat, make_tenant_key, start_gateway
 from tests.unit.gateway.test_gateway_metering import usage_rows
 from workers.server.billing import BILLING_KEY
@@ -36,7 +36,7 @@ async def test_a_dead_gateways_streams_are_billed_by_the_next_one(aiohttp_client
     ledger = worker_app[BILLING_KEY].ledger
 
     # A "gateway" that sends two billed requests on its channel, reads a few tokens, and dies.
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {FAKE_WORKER_SECRET}"}) as session:
         ws = await session.ws_connect(f"{worker_url}/internal/channel")
         for channel_id, request_id in enumerate(("chatcmpl-lost-1", "chatcmpl-lost-2")):
             await ws.send_bytes(orjson.dumps({"op": "generate", "id": channel_id,

@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.observability.tracing import GatewayTracing
 from gateway.settings import GatewaySettings
 from gateway.state import POOL
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import make_tenant_key
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
@@ -61,10 +61,10 @@ async def start(aiohttp_client, aiohttp_server, tmp_path: Path, tiny: LoadedMode
     worker_tracing = WorkerTracing(traced.worker.get_tracer("worker"), traced.worker_recent) if traced else None
     engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny",
                                 tracer=worker_tracing.tracer if worker_tracing else None))
-    worker = await aiohttp_server(create_worker_app(engine, worker_tracing))
+    worker = await aiohttp_server(create_worker_app(engine, worker_tracing, secret=FAKE_WORKER_SECRET))
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db", "acme")
     settings = GatewaySettings(home=tmp_path, worker_urls=str(worker.make_url("")).rstrip("/"),
-                               admin_key="test-admin-key", health_interval_s=0.2)
+                               admin_key="test-admin-key", worker_secret=FAKE_WORKER_SECRET, health_interval_s=0.2)
     tracing = GatewayTracing(traced.gateway.get_tracer("gateway"), traced.gateway_recent, record_prompts) \
         if traced else None
     client = await aiohttp_client(create_app(settings, tracing=tracing))
@@ -205,7 +205,7 @@ async def test_the_recent_spans_buffers_and_the_workers_traces_route(traced_stac
     mine = traced.gateway_recent.for_traces([root["trace_id"]])
     assert {s["name"] for s in mine} == {s.name for s in traced.spans() if s.name.startswith(("chat", "gateway."))}
     [worker_url] = client.app[POOL].workers
-    async with ClientSession() as http:
+    async with ClientSession(headers={"Authorization": f"Bearer {FAKE_WORKER_SECRET}"}) as http:
         async with http.get(f"{worker_url}/internal/traces", params={"trace_id": root["trace_id"]}) as response:
             theirs = (await response.json())["spans"]
         async with http.get(f"{worker_url}/internal/traces", params=[("trace_id", "0")] * 65) as response:
@@ -221,7 +221,8 @@ async def test_tracing_off_sends_no_traceparent(aiohttp_client, aiohttp_server, 
     worker = await aiohttp_server(create_fake_worker_app(fake))
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db")
     app = create_app(GatewaySettings(home=tmp_path, worker_urls=str(worker.make_url("")).rstrip("/"),
-                                     admin_key="test-admin-key", health_interval_s=0.2))
+                                     admin_key="test-admin-key", worker_secret=FAKE_WORKER_SECRET,
+                                     health_interval_s=0.2))
     client = await aiohttp_client(app)
     response = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                                  json={"model": "smollm2-135m-instruct", "max_tokens": 2,

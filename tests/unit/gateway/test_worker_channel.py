@@ -12,7 +12,7 @@ import pytest
 from aiohttp import WSMsgType
 
 from gateway.upstream.channel import ChannelClosed, ChannelRefused, WorkerChannel
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
@@ -96,7 +96,15 @@ async def test_the_gateway_end_multiplexes_reconnects_and_reports_failures(aioht
     fake = FakeWorker()
     server = await aiohttp_server(create_fake_worker_app(fake))
     async with aiohttp.ClientSession() as session:
-        await gateway_end_checks(fake, WorkerChannel(str(server.make_url("")).rstrip("/"), session, 2.0))
+        url = str(server.make_url("")).rstrip("/")
+        await gateway_end_checks(fake, WorkerChannel(url, session, 2.0,
+                                                     {"Authorization": f"Bearer {FAKE_WORKER_SECRET}"}))
+        # Another secret: the upgrade is refused, and the request fails as a closed channel (retryable).
+        fake.secret = "rotated"
+        stale = WorkerChannel(url, session, 2.0, {"Authorization": f"Bearer {FAKE_WORKER_SECRET}"})
+        with pytest.raises(ChannelClosed, match="401"):
+            [line async for line in stale.generate(body("refused"), {})]
+        await stale.close()
 
 
 async def gateway_end_checks(fake: FakeWorker, channel: WorkerChannel) -> None:

@@ -22,7 +22,7 @@ from gateway.batches.dispatch import BATCH_DISPATCHER
 from gateway.settings import GatewaySettings
 from gateway.state import POOL
 from ops.cli import cli
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.net import free_port
 from tests.unit.gateway.test_batches_api import ADMIN
 from tests.unit.gateway.test_gateway_api import MODEL, make_tenant_key
@@ -70,7 +70,7 @@ def system(tmp_path: Path) -> Iterator[System]:
         worker = web.AppRunner(create_fake_worker_app(FakeWorker(context_length=256, delay_s=0.01)))
         await worker.setup()
         await web.TCPSite(worker, "127.0.0.1", worker_port).start()
-        settings = GatewaySettings(home=tmp_path, worker_urls=f"http://127.0.0.1:{worker_port}", admin_key=ADMIN,
+        settings = GatewaySettings(home=tmp_path, worker_secret=FAKE_WORKER_SECRET, worker_urls=f"http://127.0.0.1:{worker_port}", admin_key=ADMIN,
                                    health_interval_s=0.2)
         app = create_app(settings)
         app[BATCH_DISPATCHER] = InlineRunner(loop, tmp_path, gateway_url)

@@ -18,6 +18,11 @@ def test_help_lists_the_design_commands() -> None:
         assert f"  {command} " in result.output
 
 
+def test_a_worker_binds_the_loopback_unless_told_otherwise() -> None:
+    result = CliRunner().invoke(cli, ["worker", "--help"])
+    assert result.exit_code == 0 and "[default: 127.0.0.1]" in result.output
+
+
 def test_batch_lists_its_commands() -> None:
     result = CliRunner().invoke(cli, ["batch", "--help"])
     assert result.exit_code == 0

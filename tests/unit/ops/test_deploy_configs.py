@@ -1,5 +1,7 @@
 """ops/deploy: the configs parse, Grafana queries only metrics the code exports, Prometheus scrapes
-the gateway with the admin key and the workers, and compose holds every part of a deployment."""
+the gateway with the admin key and the workers, compose holds every part of a deployment, publishes
+nothing but the clients' entry point beyond the host's loopback, and keeps every replica's durable
+state (a gateway's usage spool, a worker's $TOLLWAY_HOME) on a named volume of its own."""
 
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def test_prometheus_scrapes_every_gateway_with_the_admin_key_and_every_worker() 
     assert gateway["authorization"]["credentials_file"] == "/run/secrets/admin_key"
     assert gateway["dns_sd_configs"][0]["names"] == ["gateway"]  # every replica
     compose = load_yaml("compose.yaml")
+    assert all(service["networks"]["default"]["aliases"] == ["gateway"] for service in gateways(compose).values())
     workers = {name for name in compose["services"] if name.startswith("worker-")}
     assert {t.split(":")[0] for t in worker["static_configs"][0]["targets"]} == workers
     assert set(compose["x-tollway-env"]["TOLLWAY_WORKER_URLS"].replace("http://", "").replace(":8100", "")
@@ -73,22 +76,79 @@ def test_prometheus_scrapes_every_gateway_with_the_admin_key_and_every_worker() 
 def test_compose_has_every_part_of_a_deployment_and_its_files_exist() -> None:
     compose = load_yaml("compose.yaml")
     services = compose["services"]
-    assert {"gateway", "nginx", "worker-0", "worker-1", "batch-worker", "batch-beat", "redis", "postgres",
+    assert {"gateway-0", "gateway-1", "nginx", "worker-0", "worker-1", "batch-worker", "batch-beat", "redis", "postgres",
             "prometheus", "grafana", "jaeger", "otel-collector"} <= set(services)
-    assert services["gateway"]["deploy"]["replicas"] >= 2
-    assert services["gateway"]["environment"]["TOLLWAY_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+    assert len(gateways(compose)) >= 2  # replicas
+    assert all(gateway["environment"]["TOLLWAY_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+               for gateway in gateways(compose).values())
+    env = compose["x-tollway-env"]
+    assert env["TOLLWAY_WORKER_SECRET"].startswith("${TOLLWAY_WORKER_SECRET:?")  # one secret for every container
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (DEPLOY / source).exists(), source
-    assert (REPO_ROOT / services["gateway"]["build"]["dockerfile"]).is_file()
+    assert (REPO_ROOT / services["gateway-0"]["build"]["dockerfile"]).is_file()
     collector = load_yaml("otel-collector.yaml")
     pipeline = collector["service"]["pipelines"]["traces"]
     assert "otlp" in pipeline["receivers"] and set(pipeline["exporters"]) <= set(collector["exporters"])
     assert collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
     for name in ("grafana/provisioning/datasources/prometheus.yaml", "grafana/provisioning/dashboards/tollway.yaml"):
         assert load_yaml(name)["apiVersion"] == 1
+
+
+def gateways(compose: dict) -> dict[str, dict]:
+    return {name: service for name, service in compose["services"].items() if name.startswith("gateway-")}
+
+
+def tollway_home() -> str:
+    [home] = re.findall(r"^ENV TOLLWAY_HOME=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    return home
+
+
+def named_mounts(compose: dict, service: dict) -> dict[str, str]:
+    """Target → named volume of a service's volume mounts (bind mounts of ./files left out)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if not source.startswith(("./", "/")):
+            assert source in compose["volumes"], f"{source} is not a declared named volume"
+            mounts[target] = source
+    return mounts
+
+
+def test_only_the_entry_point_is_published_beyond_the_hosts_loopback() -> None:
+    """nginx (the clients' port) alone listens on every interface; the observability UIs
+    (Prometheus, Jaeger, Grafana) answer on the host's 127.0.0.1 only, and the rest (workers,
+    PostgreSQL, Redis, the collector) publish nothing."""
+    services = load_yaml("compose.yaml")["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            mapping = str(port if not isinstance(port, dict) else f"{port.get('host_ip', '')}:{port['published']}")
+            if name != "nginx":
+                assert mapping.startswith("127.0.0.1:"), f"{name} publishes {mapping} on every interface"
+    for name in ("prometheus", "jaeger", "grafana"):
+        assert all(str(port).startswith("127.0.0.1:") for port in services[name].get("ports", []))
+    for name in ("postgres", "redis", "otel-collector", "worker-0", "worker-1", *gateways({"services": services})):
+        assert "ports" not in services[name], name
+
+
+def test_durable_state_lives_on_named_volumes_one_per_replica() -> None:
+    """A gateway's usage spool (rows not yet in PostgreSQL) and a worker's $TOLLWAY_HOME survive a
+    container's re-creation, and no two replicas share one (a spool has one writer)."""
+    compose = load_yaml("compose.yaml")
+    home = tollway_home()
+    spools = [named_mounts(compose, gateway).get(f"{home}/spool") for gateway in gateways(compose).values()]
+    assert None not in spools and len(set(spools)) == len(spools) >= 2
+    workers = [service for name, service in compose["services"].items() if name.startswith("worker-")]
+    homes = [named_mounts(compose, worker).get(home) for worker in workers]
+    assert None not in homes and len(set(homes)) == len(homes) >= 2
+    assert all(named_mounts(compose, worker)[f"{home}/models"] == "models" for worker in workers)
+    assert all(named_mounts(compose, gateway)[f"{home}/files"] == "files" for gateway in gateways(compose).values())
+    assert "files" in named_mounts(compose, compose["services"]["batch-worker"]).values()
+    dockerfile = (DEPLOY / "Dockerfile").read_text()  # mount points exist in the image, owned by its user
+    assert all(f"{home}/{folder}" in dockerfile for folder in ("models", "files", "spool"))
+    assert "chown -R tollway " + home in dockerfile
 
 
 def test_the_dockerfile_copies_every_package() -> None:

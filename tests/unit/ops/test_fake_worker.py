@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from ops.fake_worker import FAKE_WORKER_KEY, FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_KEY, FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import LoadedModel
@@ -18,12 +18,13 @@ from workers.server.app import create_worker_app
 
 PROMPT = list(range(5, 45))
 pytestmark = pytest.mark.asyncio
+AUTH = {"Authorization": f"Bearer {FAKE_WORKER_SECRET}"}  # the gateway's credential, on every call
 
 
 @pytest_asyncio.fixture
 async def real(tiny: LoadedModel, aiohttp_client):
     engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8), name="tiny"))
-    yield await aiohttp_client(create_worker_app(engine))
+    yield await aiohttp_client(create_worker_app(engine, secret=FAKE_WORKER_SECRET), headers=AUTH)
     engine.shutdown()
 
 
@@ -31,7 +32,7 @@ async def real(tiny: LoadedModel, aiohttp_client):
 async def fake(tiny: LoadedModel, aiohttp_client):
     """A fake with the tiny model's limits, so validation messages can be compared verbatim."""
     worker = FakeWorker(model="tiny", context_length=512, vocab_size=tiny.model.config.vocab_size)
-    return await aiohttp_client(create_fake_worker_app(worker)), worker
+    return await aiohttp_client(create_fake_worker_app(worker), headers=AUTH), worker
 
 
 def body(request_id: str = "r1", **sampling) -> dict:
@@ -81,7 +82,7 @@ async def test_joined_answer_shape_matches_the_real_worker(real, fake, sampling:
 
 async def test_canned_tokens_and_usage(aiohttp_client) -> None:
     worker = FakeWorker(cached_tokens=lambda namespace, prompt: len(prompt) // 2)
-    client = await aiohttp_client(create_fake_worker_app(worker))
+    client = await aiohttp_client(create_fake_worker_app(worker), headers=AUTH)
     request = {"request_id": "a", "namespace": "t", "prompt_token_ids": [1, 2, 3, 4]}
     lines = await read_stream(await client.post("/internal/generate", json=request))  # default max_tokens 16
     assert [line["token_ids"] for line in lines] == [[i] for i in range(16)]
@@ -92,7 +93,7 @@ async def test_canned_tokens_and_usage(aiohttp_client) -> None:
     assert worker.requests == [request]
     # The context bounds the completion, as on the real worker.
     short = FakeWorker(context_length=10)
-    client = await aiohttp_client(create_fake_worker_app(short))
+    client = await aiohttp_client(create_fake_worker_app(short), headers=AUTH)
     lines = await read_stream(await client.post("/internal/generate", json={**request, "request_id": "b"}))
     assert len(lines) == 6 and lines[-1]["usage"]["completion_tokens"] == 6
 
@@ -157,7 +158,7 @@ async def test_info_health_metrics_and_tokenizer_routes_match(real, fake) -> Non
 async def test_tokenizer_payload_works_in_the_gateway(aiohttp_client) -> None:
     from workers.wire.tokenizer import TextTokenizer
 
-    client = await aiohttp_client(create_fake_worker_app())
+    client = await aiohttp_client(create_fake_worker_app(), headers=AUTH)
     payload = await (await client.get("/internal/tokenizer")).json()
     assert payload["model"] == "smollm2-135m-instruct"
     tokenizer = TextTokenizer.from_payload(payload)
@@ -212,3 +213,26 @@ async def test_delay_streams_slowly_and_a_running_id_is_a_400(fake) -> None:
             break
         await asyncio.sleep(0.01)
     assert worker.running == set() and worker.finished == {}
+
+
+async def test_both_refuse_internal_calls_without_the_gateways_credential(real, fake) -> None:
+    """The same door (workers/server/auth.py): 401 with the same body on every /internal/* route
+    and on the channel's upgrade, without the bearer or with another; /healthz and /metrics open."""
+    calls = [("POST", "/internal/generate"), ("GET", "/internal/channel"), ("GET", "/internal/info"),
+             ("GET", "/internal/tokenizer"), ("GET", "/internal/traces"), ("POST", "/internal/requests/r/cancel")]
+    for client in (real, fake[0]):
+        async with aiohttp.ClientSession() as bare:  # no default headers
+            for method, path in calls:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": FAKE_WORKER_SECRET}):
+                    async with bare.request(method, client.make_url(path), headers=headers,
+                                            json=body()) as response:
+                        assert response.status == 401, (method, path, headers)
+                        error = (await response.json())["error"]
+                        assert error["type"] == "authentication_error" and "credential" in error["message"]
+            for path in ("/healthz", "/metrics"):
+                async with bare.get(client.make_url(path)) as response:
+                    assert response.status == 200, path
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await bare.ws_connect(client.make_url("/internal/channel"))
+            assert refused.value.status == 401
+    assert fake[1].received == 0  # nothing reached the double's handlers

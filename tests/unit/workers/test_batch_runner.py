@@ -21,7 +21,7 @@ from accounting.models import Batch, UsageEvent, utcnow
 from gateway.app import create_app
 from gateway.batches.dispatch import BATCH_DISPATCHER
 from gateway.settings import GatewaySettings
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_batches_api import ADMIN, RecordingDispatcher
 from tests.unit.gateway.test_files_api import form
 from tests.unit.gateway.test_gateway_api import MODEL, make_tenant_key
@@ -88,7 +88,7 @@ async def env(aiohttp_client, aiohttp_server, tmp_path: Path):
     worker = FakeWorker(context_length=256)
     server = await aiohttp_server(create_fake_worker_app(worker))
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db", "acme")
-    settings = GatewaySettings(home=tmp_path, worker_urls=str(server.make_url("")).rstrip("/"), admin_key=ADMIN,
+    settings = GatewaySettings(home=tmp_path, worker_secret=FAKE_WORKER_SECRET, worker_urls=str(server.make_url("")).rstrip("/"), admin_key=ADMIN,
                                health_interval_s=0.2)
     app = create_app(settings)
     app[BATCH_DISPATCHER] = RecordingDispatcher()

@@ -15,7 +15,7 @@ from gateway.app import create_app
 from gateway.batches.dispatch import BATCH_DISPATCHER, CeleryDispatcher
 from gateway.observability.tracing import GatewayTracing
 from gateway.settings import GatewaySettings
-from ops.fake_worker import FakeWorker, create_fake_worker_app
+from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_batches_api import ADMIN, RecordingDispatcher
 from tests.unit.gateway.test_gateway_api import MODEL, make_tenant_key
 from tests.unit.workers.test_batch_runner import Env
@@ -38,7 +38,7 @@ async def test_batch_lines_are_spans_the_gateway_continues(aiohttp_client, aioht
     tracer = provider.get_tracer("test")
     server = await aiohttp_server(create_fake_worker_app(FakeWorker(context_length=256)))
     _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db", "acme")
-    app = create_app(GatewaySettings(home=tmp_path, worker_urls=str(server.make_url("")).rstrip("/"),
+    app = create_app(GatewaySettings(home=tmp_path, worker_secret=FAKE_WORKER_SECRET, worker_urls=str(server.make_url("")).rstrip("/"),
                                      admin_key=ADMIN, health_interval_s=0.2),
                      tracing=GatewayTracing(tracer))
     app[BATCH_DISPATCHER] = RecordingDispatcher()

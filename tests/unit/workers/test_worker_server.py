@@ -25,6 +25,20 @@ async def read_stream(response: aiohttp.ClientResponse) -> list[dict]:
     return [json.loads(line) for line in (await response.text()).splitlines()]
 
 
+async def test_generate_needs_the_gateways_credential(worker) -> None:
+    """Only a caller holding the workers' secret (the gateway) runs requests, and so picks namespaces."""
+    client, engine = worker
+    async with aiohttp.ClientSession() as bare:
+        for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+            response = await bare.post(client.make_url("/internal/generate"), json=body("stranger"), headers=headers)
+            assert response.status == 401 and (await response.json())["error"]["type"] == "authentication_error"
+        assert (await bare.get(client.make_url("/healthz"))).status == 200
+    assert engine.info()["cache"] == {}  # nothing ran: no namespace was ever created
+    response = await client.post("/internal/generate", json=body("gateway"))  # the client sends the secret
+    assert response.status == 200 and "usage" in (await read_stream(response))[-1]
+    assert set(engine.info()["cache"]) == {"tenant-a"}
+
+
 async def test_generate_streams_deltas_then_usage(worker, tiny) -> None:
     client, _ = worker
     expected = Engine(tiny, EngineConfig(num_blocks=64, block_size=8)).generate_batch(
