@@ -21,7 +21,9 @@ from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
+from workers.engine import grammar
 from workers.engine.detokenize import OutputText
+from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner import ModelRunner
@@ -84,6 +86,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)
+        self.masks = GrammarMasks(c.vocab_size)
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
         self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
         self._requests: dict[str, _Request] = {}
@@ -103,6 +107,8 @@ class Engine:
         self.validate_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1)
         seq.generator = self._generator(params, 0)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         self.sequences[request_id] = seq
         self._requests[request_id] = _Request(seq, params.n)
         self._texts[(request_id, 0)] = OutputText(self.loaded.tokenizer, params.stop)
@@ -124,6 +130,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # GrammarError (a ValueError) when refused; cached
 
     def abort(self, request_id: str) -> Delta | None:
         """Abort every open choice; returns the request's last delta (with usage), or None if gone."""
@@ -153,6 +161,7 @@ class Engine:
         deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self.scheduler.take_finished()]
         if not batch.seqs:
             return deltas
+        masks = self.masks.start(batch.sampling)  # grammar masks fill while the model runs
         logits = self.runner.run(batch)
         update = self.scheduler.update(batch)
         if phases is not None:
@@ -160,7 +169,11 @@ class Engine:
         if not update.sampling:
             return deltas
         sampling, logits = self._start_forks(update, logits)
-        result = sample(logits, sampling)
+        constrain = None
+        if masks is not None or any(fork.child.matcher is not None for fork in update.forks):
+            def constrain(work: torch.Tensor) -> None:
+                self.masks.constrain(work, sampling, masks, len(update.sampling))
+        result = sample(logits, sampling, constrain)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
             deltas.append(self._advance(seq, row, result, now))
@@ -174,6 +187,7 @@ class Engine:
         for fork in update.forks:
             child = fork.child
             child.generator = self._generator(child.params, child.index)
+            grammar.fork(fork.parent, child)
             if self._phases is not None:
                 self._phases.fork(fork.parent, child, time.time_ns())
             self._texts[(child.request_id, child.index)] = OutputText(self.loaded.tokenizer, child.params.stop)
@@ -192,15 +206,17 @@ class Engine:
             delta.logprobs = [result.logprobs[row]]
             delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
         text = self._texts[(seq.request_id, seq.index)]
-        if token in seq.params.stop_token_ids or (token in self.eos_token_ids and not seq.params.ignore_eos):
+        grammar_open = grammar.accept(seq, token)  # False: the grammar ended (or refused: it stops too)
+        is_eos = token in self.eos_token_ids
+        if token in seq.params.stop_token_ids or (is_eos and (not seq.params.ignore_eos or not grammar_open)):
             seq.output_ids.pop()  # the stop token is not part of the completion
             delta.token_ids = []
             self.scheduler.finish(seq, FinishReason.STOP)
             return self._final_delta(seq, delta)
         delta.text, stopped = text.update(seq.output_ids)
-        if stopped:
+        if stopped or not grammar_open:
             self.scheduler.finish(seq, FinishReason.STOP)
-            return self._final_delta(seq, delta, flush=False)
+            return self._final_delta(seq, delta, flush=not stopped)
         if seq.output_len >= seq.params.max_tokens or seq.total_len >= self.max_context:
             self.scheduler.finish(seq, FinishReason.LENGTH)
             return self._final_delta(seq, delta)

@@ -17,6 +17,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,9 @@ class Sequence:
     pending_forks: int = 0  # choices still to fork from this one when its prompt is computed (n > 1)
     # prefix-match length found when last ordered in the waiting queue (a scheduling hint only)
     match_hint: int = 0
+    # the grammar state after output_ids (an xgrammar GrammarMatcher; workers/engine/grammar.py),
+    # None when the output is unconstrained. Preemption keeps output_ids, so it keeps this too.
+    matcher: Any = None
 
     @property
     def prompt_len(self) -> int:

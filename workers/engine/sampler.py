@@ -8,6 +8,7 @@ Log-probabilities are those of the model (raw logits), as OpenAI reports them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -82,11 +83,16 @@ def exponential_noise(seqs: Seq[Sequence], vocab: int, device: torch.device) -> 
     return noise
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampleResult:
-    """Next token for each row of fp32 logits [B, V] (not modified), one row per sequence."""
+def sample(logits: torch.Tensor, seqs: Seq[Sequence],
+           constrain: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
+    """Next token for each row of fp32 logits [B, V] (not modified), one row per sequence.
+    `constrain` masks (in place, -inf) the tokens each row's grammar forbids, before penalties;
+    the reported log-probabilities stay the model's."""
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     work = logits.clone()
+    if constrain is not None:
+        constrain(work)
     apply_penalties(work, seqs)
     chosen = work.argmax(dim=-1)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

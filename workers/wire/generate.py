@@ -22,9 +22,10 @@ from typing import Any, Literal, TypedDict
 
 import orjson
 
+from workers.wire.grammar import GrammarSpec, GrammarSpecError, parse_grammar
 from workers.wire.sampling import SamplingParams
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"grammar"}  # grammar: its own field
 TUPLE_FIELDS = {"stop", "stop_token_ids"}
 PRIORITIES = ("interactive", "batch")
 MAX_BODY_BYTES = 16 * 2**20
@@ -66,16 +67,19 @@ class GenerateBody(TypedDict, total=False):
     priority: Priority
     stream: bool
     billing: Billing  # absent for callers that bill nothing (tests, benches)
+    grammar: dict[str, Any]  # GrammarSpec.to_json(): what the output must match (absent: free text)
 
 
 def generate_body(request_id: str, namespace: str, prompt: list[int], sampling: dict[str, Any],
                   priority: Priority = "interactive", stream: bool = True,
-                  billing: Billing | None = None) -> GenerateBody:
+                  billing: Billing | None = None, grammar: GrammarSpec | None = None) -> GenerateBody:
     """The body the gateway sends (validated by the worker's `parse_generate`)."""
     body: GenerateBody = {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
                           "sampling": sampling, "priority": priority, "stream": stream}
     if billing is not None:
         body["billing"] = billing
+    if grammar is not None:
+        body["grammar"] = grammar.to_json()
     return body
 
 
@@ -135,6 +139,12 @@ def parse_generate(body: Any, sampling_defaults: dict[str, Any] | None = None) -
     if billing is not None and not isinstance(billing, dict):
         raise BadRequest("billing must be an object")
     params = parse_sampling(body.get("sampling"), sampling_defaults)
+    try:
+        grammar = parse_grammar(body.get("grammar"))
+    except GrammarSpecError as exc:
+        raise BadRequest(str(exc)) from exc
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     return GenerateRequest(request_id, namespace, prompt, params, priority, stream, billing)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.wire.grammar import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token's logprob and the top k
     n: int = 1
+    grammar: GrammarSpec | None = None  # what the output must match (the body's `grammar`, not `sampling`)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "top_k", "n"):
@@ -49,6 +52,10 @@ class SamplingParams:
         for ok, message in checks:  # NaN fails every comparison, so it is rejected too
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from workers.wire.generate import LineJoiner
+import pytest
+
+from workers.wire.generate import BadRequest, LineJoiner, parse_generate
 
 
 def test_line_joiner_joins_each_choice_and_puts_the_usage_line_last() -> None:
@@ -19,3 +21,32 @@ def test_line_joiner_joins_each_choice_and_puts_the_usage_line_last() -> None:
                      "logprobs": [-1.0, -3.0]}
     assert last["index"] == 0 and last["token_ids"] == [8] and last["finish_reason"] == "abort"
     assert last["decode_s"] == 0.0 and last["usage"]["completion_tokens"] == 3  # an empty delta adds no time
+
+
+def test_grammar_field_rides_beside_sampling() -> None:
+    from workers.wire.generate import generate_body
+    from workers.wire.grammar import GrammarSpec, TagSpec
+
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"b": {}, "a": {}}})
+    parsed = parse_generate(generate_body("r", "ns", [1, 2], {"max_tokens": 4}, grammar=spec))
+    assert parsed.params.grammar == spec and parsed.params.max_tokens == 4
+    assert spec.schema == '{"type":"object","properties":{"b":{},"a":{}}}'  # property order kept
+    tags = GrammarSpec("tool_tags", tags=(TagSpec("<tool_call>{", '{"type":"object"}', "}"),), triggers=("<tool_call>",))
+    again = parse_generate({"request_id": "r", "prompt_token_ids": [1], "grammar": tags.to_json()})
+    assert again.params.grammar == tags and again.params.grammar.key == tags.key != spec.key
+    assert parse_generate({"request_id": "r", "prompt_token_ids": [1]}).params.grammar is None
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ("json", "grammar must be an object"),
+    ({"type": "regex"}, "grammar.type must be one of"),
+    ({"type": "json_schema", "schema": "{nope"}, "not JSON"),
+    ({"type": "json_schema", "schema": "[1]"}, "JSON schema object"),
+    ({"type": "tool_tags", "tags": [{"begin": "x", "schema": "{}", "end": "y"}], "triggers": ["<t>"]},
+     "begin with one of the triggers"),
+])
+def test_bad_grammar_fields_are_bad_requests(grammar, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        parse_generate({"request_id": "r", "prompt_token_ids": [1], "grammar": grammar})
+    with pytest.raises(BadRequest, match="unknown sampling fields: grammar"):
+        parse_generate({"request_id": "r", "prompt_token_ids": [1], "sampling": {"grammar": {}}})
