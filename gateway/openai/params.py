@@ -1,22 +1,28 @@
 """Validation of OpenAI request bodies into what a worker needs (pure: no I/O).
 
-Every bad field is a 400 naming the parameter. Fields the engine cannot honour (tools, logit_bias,
-`echo`, ...) are refused clearly rather than silently ignored. tollway also takes vLLM-style
+Every bad field is a 400 naming the parameter. Fields the engine cannot honour (legacy `functions`,
+logit_bias, `echo`, ...) are refused clearly rather than silently ignored. Structured outputs
+(`response_format`) and tools become the request's grammar (gateway/openai/structured.py, tools.py). tollway also takes vLLM-style
 extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), which the SDK sends via `extra_body`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.api.errors import invalid
+from gateway.openai.structured import response_format_grammar
+from gateway.openai.tools import ToolConfig, parse_tools
+from workers.wire.grammar import GrammarSpec
 
 MAX_N = 16
 MAX_STOP = 4
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "best_of", "audio", "prediction")
+UNSUPPORTED = ("functions", "function_call", "suffix", "best_of", "audio", "prediction")
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 
 
 GenerationKind = Literal["chat", "completion"]
@@ -28,7 +34,8 @@ class GenerationRequest:
 
     kind: GenerationKind
     model: str
-    messages: list[dict[str, str]] | None = None  # chat: roles and plain-text contents
+    # chat: roles and plain-text contents; assistant `tool_calls` and tool `tool_call_id` when present
+    messages: list[dict[str, Any]] | None = None
     prompt_text: str | None = None  # completion given as text
     prompt_ids: list[int] | None = None  # completion given as token ids
     max_tokens: int | None = None  # None = up to the model's context
@@ -37,6 +44,8 @@ class GenerationRequest:
     logprobs: int | None = None  # None = off; k = chosen token plus top k
     sampling: dict[str, Any] = field(default_factory=dict)  # worker sampling fields, without max_tokens
     user: str | None = None
+    grammar: GrammarSpec | None = None  # what the output must match (response_format or tools)
+    tools: ToolConfig | None = None
 
     @property
     def n(self) -> int:
@@ -107,19 +116,53 @@ def _message_content(content: Any, index: int) -> str:
     raise invalid("message content must be a string or a list of text parts", f"messages[{index}].content")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise invalid("'tool_calls' must be a non-empty list", param)
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]
+                or call.get("type", "function") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+            raise invalid("each tool call needs an 'id', 'type': 'function' and a 'function' with 'name' and "
+                          "'arguments' (a JSON string)", f"{param}[{j}]")
+        try:
+            json.loads(function["arguments"])
+        except ValueError as exc:
+            raise invalid("'arguments' must be a JSON string", f"{param}[{j}].function.arguments") from exc
+        parsed.append({"id": call["id"], "type": "function",
+                       "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return parsed
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
-    parsed = []
+    parsed: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise invalid("each message must be an object", f"messages[{i}]")
         role = message.get("role")
         if role not in ROLES:
             raise invalid(f"unknown role {role!r}; expected one of {', '.join(sorted(ROLES))}", f"messages[{i}].role")
-        parsed.append({"role": "system" if role == "developer" else role,
-                       "content": _message_content(message.get("content"), i)})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": _message_content(message.get("content"), i)}
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise invalid("only assistant messages carry 'tool_calls'", f"messages[{i}].tool_calls")
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+            call_ids.update(call["id"] for call in entry["tool_calls"])
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in call_ids:
+                raise invalid("a tool message needs the 'tool_call_id' of an earlier assistant tool call",
+                              f"messages[{i}].tool_call_id")
+            entry["tool_call_id"] = call_id
+        parsed.append(entry)
     return parsed
 
 
@@ -157,15 +200,25 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED:
+def _refuse_unsupported(kind: GenerationKind, body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED + (CHAT_ONLY if kind == "completion" else ()):
         if body.get(name) not in (None, [], {}):
-            raise invalid(f"'{name}' is not supported by this server", name)
+            raise invalid(f"'{name}' is not supported by this server{' on completions' * (name in CHAT_ONLY)}",
+                          name)
     if body.get("logit_bias"):
         raise invalid("'logit_bias' is not supported by this server", "logit_bias")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise invalid("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def _structure(body: dict[str, Any]) -> tuple[GrammarSpec | None, ToolConfig | None]:
+    """The grammar of a chat request: its tools' (unless tool_choice is none) or its response_format's."""
+    tools = parse_tools(body)
+    grammar = response_format_grammar(body.get("response_format"))
+    if tools is not None and tools.active:
+        if grammar is not None:
+            raise invalid("'response_format' cannot be combined with tools unless 'tool_choice' is 'none'",
+                          "response_format")
+        grammar = tools.grammar()
+    return grammar, tools
 
 
 def parse_request(kind: GenerationKind, body: Any) -> GenerationRequest:
@@ -174,10 +227,11 @@ def parse_request(kind: GenerationKind, body: Any) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required", "model")
-    _refuse_unsupported(body)
+    _refuse_unsupported(kind, body)
     request = GenerationRequest(kind=kind, model=model, sampling=_sampling(body))
     if kind == "chat":
         request.messages = _messages(body)
+        request.grammar, request.tools = _structure(body)
         max_tokens = _integer(body, "max_completion_tokens", 1)
         request.max_tokens = max_tokens if max_tokens is not None else _integer(body, "max_tokens", 1)
         if _boolean(body, "logprobs"):

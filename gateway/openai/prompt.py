@@ -20,6 +20,7 @@ from gateway.auth.guards import Caller
 from gateway.observability.tracing import TRACING
 from gateway.openai.models import model_entry
 from gateway.openai.params import GenerationKind, GenerationRequest, parse_request
+from gateway.openai.tools import default_rendering
 from gateway.upstream.pool import ModelEntry
 from workers.wire.generate import Billing, GenerateBody, generate_body
 from workers.wire.tokenizer import ChatTemplateError
@@ -60,8 +61,14 @@ async def parse_generation(request: web.Request, kind: GenerationKind, caller: C
 
 def prompt_token_ids(entry: ModelEntry, params: GenerationRequest) -> list[int]:
     if params.messages is not None:
+        tokenizer, tools = entry.tokenizer, params.tools
         try:
-            return entry.tokenizer.encode_chat(params.messages)
+            if tokenizer.renders_tools:  # the model's own tool format
+                definitions = [t.definition() for t in tools.tools] if tools is not None and tools.active else None
+                return tokenizer.encode_chat(params.messages, tools=definitions)
+            if tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in params.messages):
+                return tokenizer.encode_chat(default_rendering(params.messages, tools))
+            return tokenizer.encode_chat(params.messages)
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from exc
     if params.prompt_ids is not None:
@@ -101,7 +108,7 @@ def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime) 
                         "batch_id": caller.batch_id, "started_at": started_at.isoformat()}
     return generate_body(parsed.request_id, namespace_of(caller), parsed.prompt, sampling,
                          "batch" if caller.batch_id is not None else "interactive",
-                         params.stream or params.logprobs is not None, billing)
+                         params.stream or params.logprobs is not None, billing, params.grammar)
 
 
 def namespace_of(caller: Caller) -> str:

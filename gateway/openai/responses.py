@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.openai.tools import ToolCall, ToolCallParser
 from workers.wire.tokenizer import TextTokenizer
 
 
@@ -61,6 +62,13 @@ class ChoiceState:
     completion_logprobs: dict[str, list[Any]] = field(
         default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
     text_len: int = 0
+    parser: ToolCallParser | None = None  # when the request's tools are active
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    last_text: str = ""  # the content of the delta absorbed last (without its tool calls)
+    last_calls: list[ToolCall] = field(default_factory=list)  # the calls it completed
+
+    def finish_reason_of(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
 
 
 @dataclass
@@ -74,11 +82,12 @@ class ResponseBuilder:
     tokenizer: TextTokenizer
     logprobs: bool
     choices: dict[int, ChoiceState] = field(default_factory=dict)
+    tools: bool = False  # parse tool calls out of the output (gateway/openai/tools.py)
 
     def _choice(self, index: int) -> ChoiceState:
         state = self.choices.get(index)
         if state is None:
-            state = self.choices[index] = ChoiceState()
+            state = self.choices[index] = ChoiceState(parser=ToolCallParser() if self.tools else None)
         return state
 
     def _logprobs_of(self, delta: dict[str, Any], state: ChoiceState) -> Any:
@@ -97,10 +106,17 @@ class ResponseBuilder:
         """Record one delta; returns its logprobs object (or None) for a streamed chunk."""
         state = self._choice(delta["index"])
         logprobs = self._logprobs_of(delta, state)
-        state.text.append(delta["text"])
-        state.text_len += len(delta["text"])
+        text, calls = delta["text"], list[ToolCall]()
+        if state.parser is not None:
+            text, calls = state.parser.feed(text)
+            if delta["finish_reason"] is not None:
+                text += state.parser.finish()
+            state.tool_calls.extend(calls)
+        state.last_text, state.last_calls = text, calls
+        state.text.append(text)
+        state.text_len += len(text)
         if delta["finish_reason"] is not None:
-            state.finish_reason = delta["finish_reason"]
+            state.finish_reason = state.finish_reason_of(delta["finish_reason"])
         return logprobs
 
     def _header(self, object_name: str) -> dict[str, Any]:
@@ -115,9 +131,13 @@ class ResponseBuilder:
     def chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
         logprobs = self.absorb(delta)
         if self.kind == "chat":
-            body = {"content": delta["text"]} if delta["text"] else {}
+            state = self.choices[delta["index"]]
+            body: dict[str, Any] = {"content": state.last_text} if state.last_text else {}
+            if state.last_calls:
+                first = len(state.tool_calls) - len(state.last_calls)
+                body["tool_calls"] = [{"index": first + k, **call.chat()} for k, call in enumerate(state.last_calls)]
             choice = {"index": delta["index"], "delta": body, "logprobs": logprobs,
-                      "finish_reason": delta["finish_reason"]}
+                      "finish_reason": state.finish_reason_of(delta["finish_reason"])}
             return {**self._header("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": delta["index"], "text": delta["text"], "logprobs": logprobs,
                   "finish_reason": delta["finish_reason"]}
@@ -134,8 +154,12 @@ class ResponseBuilder:
             text = "".join(state.text)
             if self.kind == "chat":
                 logprobs = {"content": state.chat_logprobs} if self.logprobs else None
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if state.tool_calls:
+                    message["content"] = text or None
+                    message["tool_calls"] = [call.chat() for call in state.tool_calls]
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason})
             else:
                 logprobs = state.completion_logprobs if self.logprobs else None
                 choices.append({"index": index, "text": text, "logprobs": logprobs,

@@ -65,7 +65,8 @@ async def generation(request: web.Request, kind: GenerationKind) -> web.StreamRe
         exchange = Exchange(request, params, entry.name, namespace_of(caller), parsed.prompt,
                             worker_body(parsed, caller, meter.started_at),
                             ResponseBuilder(kind, parsed.request_id, entry.name, int(time.time()), entry.tokenizer,
-                                            params.logprobs is not None),
+                                            params.logprobs is not None,
+                                            tools=params.tools is not None and params.tools.active),
                             meter, claim, telemetry.tenant)
         in_flight = app[METRICS].in_flight.labels(entry.name)
         in_flight.inc()

@@ -18,6 +18,7 @@ Vocabulary: the model's (its logits' width); ids the tokenizer does not know are
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -93,17 +94,16 @@ class GrammarCompiler:
 
 
 def _compile(compiler: Any, spec: GrammarSpec) -> Any:
-    import xgrammar as xgr
-
     if spec.kind == "json_object":
         return compiler.compile_builtin_json_grammar()
     if spec.kind == "json_schema":
         assert spec.schema is not None  # parse_grammar guarantees it
         return compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
-    import json
-
-    tags = [xgr.StructuralTagItem(begin=t.begin, schema=json.loads(t.schema), end=t.end) for t in spec.tags]
-    return compiler.compile_structural_tag(tags, list(spec.triggers))
+    tags = [{"type": "tag", "begin": t.begin, "end": t.end,
+             "content": {"type": "json_schema", "json_schema": json.loads(t.schema)}} for t in spec.tags]
+    return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": list(spec.triggers), "tags": tags,
+        "at_least_one": spec.at_least_one, "stop_after_first": spec.stop_after_first}}))
 
 
 class GrammarMasks:

@@ -9,7 +9,9 @@ Kinds:
 - `json_object`: any JSON object.
 - `json_schema`: a JSON value valid against `schema` (JSON text).
 - `tool_tags`: free text, in which each `trigger` opens a structured part: `begin`, a JSON value
-  valid against the tag's schema, then `end` (tool calls under `tool_choice: auto`).
+  valid against the tag's schema, then `end` (tool calls). `at_least_one`: the output is tags only,
+  at least one (`tool_choice` required or named); `stop_after_first`: at most one tag
+  (`parallel_tool_calls: false`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class GrammarSpec:
     schema: str | None = None  # json_schema: the schema as compact JSON text
     tags: tuple[TagSpec, ...] = ()  # tool_tags
     triggers: tuple[str, ...] = ()  # tool_tags: each tag's begin starts with one of these
+    at_least_one: bool = False  # tool_tags: no free text, one tag or more
+    stop_after_first: bool = False  # tool_tags: the output ends after its first tag
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
@@ -54,6 +58,7 @@ class GrammarSpec:
         if self.kind == "tool_tags":
             body["tags"] = [{"begin": t.begin, "schema": t.schema, "end": t.end} for t in self.tags]
             body["triggers"] = list(self.triggers)
+            body["at_least_one"], body["stop_after_first"] = self.at_least_one, self.stop_after_first
         return body
 
     @property
@@ -107,5 +112,9 @@ def parse_grammar(raw: Any) -> GrammarSpec | None:
         specs = tuple(TagSpec(_string(t, "begin"), _schema_text(t, "schema"), _string(t, "end")) for t in tags)
         if not all(any(s.begin.startswith(trigger) for trigger in triggers) for s in specs):
             raise GrammarSpecError("every grammar tag must begin with one of the triggers")
-        return GrammarSpec("tool_tags", tags=specs, triggers=tuple(triggers))
+        flags = [raw.get(name, False) for name in ("at_least_one", "stop_after_first")]
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise GrammarSpecError("grammar.at_least_one and grammar.stop_after_first must be booleans")
+        return GrammarSpec("tool_tags", tags=specs, triggers=tuple(triggers), at_least_one=flags[0],
+                           stop_after_first=flags[1])
     raise GrammarSpecError(f"grammar.type must be one of {', '.join(KINDS)}")

@@ -57,8 +57,15 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation (special tokens written out by the template)."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template has its own tool format (it reads `tools` / `tool_calls`)."""
+        return self.chat_template is not None and "tool_calls" in self.chat_template and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation (special tokens written out by the template); `tools`
+        (OpenAI function definitions) reach templates that render them."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
@@ -70,11 +77,12 @@ class TextTokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the special tokens itself, so none are added here (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)

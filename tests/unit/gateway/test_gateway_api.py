@@ -149,7 +149,10 @@ async def test_non_streamed_logprobs_keep_the_per_token_lines(setup) -> None:
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format.json_schema.schema"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, "messages[0].tool_call_id"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"model": None}, "model"),
@@ -279,3 +282,21 @@ async def test_admin_manages_tenants_and_keys_and_revocation_is_immediate(setup)
     assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})).status == 401
     assert (await client.get("/admin/v1/tenants/nobody", headers=ADMIN)).status == 404
 
+
+
+async def test_structured_requests_send_their_grammar_to_the_worker(setup) -> None:
+    client, auth, worker, _ = setup
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    response = await client.post("/v1/chat/completions", headers=auth, json=chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}))
+    assert response.status == 200, await response.text()
+    assert worker.requests[-1]["grammar"] == {"type": "json_schema", "schema": json.dumps(schema, separators=(",", ":"))}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    response = await client.post("/v1/chat/completions", headers=auth, json=chat(
+        tools=tools, tool_choice="required", parallel_tool_calls=False))
+    assert response.status == 200, await response.text()
+    grammar = worker.requests[-1]["grammar"]
+    assert grammar["type"] == "tool_tags" and grammar["at_least_one"] and grammar["stop_after_first"]
+    assert grammar["tags"][0]["begin"] == '<tool_call>\n{"name": "f", "arguments": '
+    plain = await client.post("/v1/chat/completions", headers=auth, json=chat(tools=tools, tool_choice="none"))
+    assert plain.status == 200 and "grammar" not in worker.requests[-1]
