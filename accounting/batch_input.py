@@ -1,7 +1,7 @@
 """Validation of batch input files (JSONL), before they are accepted as uploads.
 
 Each non-blank line is one request:
-`{"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}`
+`{"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/responses", "body": {...}}`
 and every line of a file uses the same url. Blank lines are skipped (a trailing newline is normal);
 line numbers in messages count every physical line from 1, blank ones included, so they match an
 editor's.
@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from accounting.tenants import AccountingError
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REPORTED_PROBLEMS = 10
 """At most this many problems are kept and reported; the rest are only counted."""
 

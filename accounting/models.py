@@ -165,6 +165,8 @@ class UsageEvent(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
     finished_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False)
     batch_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    route: Mapped[str | None] = mapped_column(String(32))
+    """chat.completions | completions | responses; NULL on rows written before migration 0005."""
 
 
 class Price(Base):

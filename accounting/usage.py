@@ -72,6 +72,9 @@ class UsageRecord:
     started_at: datetime
     finished_at: datetime
     batch_id: str | None = None
+    route: str | None = None
+    """The API route that served it: chat.completions | completions | responses (None on rows from
+    before the column existed)."""
 
     def __post_init__(self) -> None:
         for name in _TIME_FIELDS:

@@ -33,9 +33,15 @@ SCHEMAS: dict[str, Any] = {
     "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
         **_SAMPLING, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}},
+    "ResponseCreateRequest": {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"}, "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "stream": {"type": "boolean"},
+        "text": {"type": "object"}, "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"oneOf": [{"type": "string"}, {"type": "object"}]}, "store": {"type": "boolean"}}},
     "BatchCreateRequest": {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
                            "properties": {"input_file_id": {"type": "string"},
-                                          "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions"]},
+                                          "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/responses"]},
                                           "completion_window": {"enum": ["24h"]},
                                           "metadata": {"type": ["object", "null"],
                                                        "additionalProperties": {"type": "string"}}}},
@@ -47,6 +53,7 @@ BROWSER_PAGES = ("/admin/dashboard",)
 REQUEST_BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
+    "/v1/responses": "ResponseCreateRequest",
     "/v1/batches": "BatchCreateRequest",
 }
 

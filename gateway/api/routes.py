@@ -3,6 +3,7 @@
 | prefix          | who                       | where                                        |
 | --------------- | ------------------------- | -------------------------------------------- |
 | /v1/…completions| tenant key or batch line  | gateway/openai/views.py                      |
+| /v1/responses   | tenant key or batch line  | gateway/openai/views.py, responses_api.py    |
 | /v1/models      | tenant key                | gateway/openai/models.py                     |
 | /v1/files       | tenant key                | gateway/files/api.py                         |
 | /v1/batches     | tenant key                | gateway/batches/api.py                       |
@@ -64,6 +65,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/v1/models/{model}", models.get_model)
     router.add_post("/v1/chat/completions", views.chat_completions)
     router.add_post("/v1/completions", views.completions)
+    router.add_post("/v1/responses", views.responses)
     admin_api.add_routes(router)
     usage_api.add_routes(router)
     files_api.add_routes(router)

@@ -1,6 +1,6 @@
 """Batch lines arriving from the Celery runners: who they are billed to, and at which priority.
 
-A runner POSTs each line to `/v1/chat/completions` or `/v1/completions` like any client, with the
+A runner POSTs each line to `/v1/chat/completions`, `/v1/completions` or `/v1/responses` like any client, with the
 admin key as bearer and `X-Tollway-Batch-Id: batch_…`. The gateway then takes the tenant (and key)
 from the batch row, not from the caller; the batch must be `in_progress` or `cancelling` (lines in
 flight when a cancel arrives finish). Such a request runs at the worker's `batch` priority, is

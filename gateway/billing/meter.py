@@ -27,6 +27,7 @@ class RequestMeter:
     model: str
     prompt_tokens: int
     batch_id: str | None = None
+    route: str | None = None  # chat.completions | completions | responses
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     _t0: float = field(default_factory=time.perf_counter)
     _first_token_s: float | None = None
@@ -92,7 +93,7 @@ class RequestMeter:
             prompt_tokens=usage["prompt_tokens"], cached_tokens=usage["cached_tokens"],
             completion_tokens=usage["completion_tokens"], status=status, finish_reason=self.finish_reason,
             ttft_ms=ttft, latency_ms=(now - self._t0) * 1e3, started_at=self.started_at,
-            finished_at=datetime.now(UTC), batch_id=self.batch_id)
+            finished_at=datetime.now(UTC), batch_id=self.batch_id, route=self.route)
 
     async def finish(self, writer: UsageWriter, status: str, claim: Claim | None = None,
                      response: tuple[int, str, bytes] | None = None) -> None:

@@ -41,7 +41,8 @@ def orphan_record(orphan: dict[str, Any]) -> UsageRecord:
         completion_tokens=int(usage["completion_tokens"]), status=LOST_STATUS,
         finish_reason=orphan.get("finish_reason"), ttft_ms=None, latency_ms=None,
         started_at=started if started.tzinfo else started.replace(tzinfo=UTC),
-        finished_at=datetime.fromtimestamp(float(orphan["finished_at"]), UTC), batch_id=billing.get("batch_id"))
+        finished_at=datetime.fromtimestamp(float(orphan["finished_at"]), UTC), batch_id=billing.get("batch_id"),
+        route=billing.get("route"))
 
 
 class OrphanBiller:

@@ -8,6 +8,7 @@ generate body a worker receives (workers/wire/generate.py).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -43,10 +44,12 @@ class ParsedGeneration:
         return len(self.prompt) + self.max_tokens * self.params.n
 
 
-async def parse_generation(request: web.Request, kind: GenerationKind, caller: Caller) -> ParsedGeneration:
-    """Read and validate the body, look up the model, tokenize; a 4xx naming the problem otherwise."""
+async def parse_generation(request: web.Request, kind: GenerationKind, caller: Caller,
+                           parse: Callable[[Any], GenerationRequest] | None = None) -> ParsedGeneration:
+    """Read and validate the body (with `parse`, another API's body read as a chat request), look up
+    the model, tokenize; a 4xx naming the problem otherwise."""
     raw = await read_json(request)
-    params = parse_request(kind, raw)
+    params = parse(raw) if parse is not None else parse_request(kind, raw)
     if caller.batch_id is not None and params.stream:
         raise invalid("batch requests cannot be streamed: remove 'stream'", "stream")
     entry = model_entry(request.app, params.model)
@@ -55,7 +58,8 @@ async def parse_generation(request: web.Request, kind: GenerationKind, caller: C
         max_tokens = completion_budget(entry, params, len(prompt))
         if span is not None:
             span.set_attribute("tollway.request.prompt_tokens", len(prompt))
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    prefix = "resp_" if parse is not None else "chatcmpl-" if kind == "chat" else "cmpl-"
+    request_id = f"{prefix}{uuid.uuid4().hex}"
     return ParsedGeneration(request_id, raw, params, entry, prompt, max_tokens)
 
 
@@ -92,7 +96,8 @@ def completion_budget(entry: ModelEntry, params: GenerationRequest, num_prompt: 
     return params.max_tokens if params.max_tokens is not None else entry.context_length - num_prompt
 
 
-def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime) -> GenerateBody:
+def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime,
+                route: str = "chat.completions") -> GenerateBody:
     """What the worker gets. The namespace (the prefix cache's tenant partition) comes from the
     caller's key or batch, never from the client. A non-streamed request without logprobs asks for
     the joined answer (`"stream": false`: one line per choice at the end, not one per token): the
@@ -105,7 +110,7 @@ def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime) 
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
     billing: Billing = {"tenant_id": caller.tenant_id, "key_id": caller.key_id, "model": parsed.entry.name,
-                        "batch_id": caller.batch_id, "started_at": started_at.isoformat()}
+                        "batch_id": caller.batch_id, "started_at": started_at.isoformat(), "route": route}
     return generate_body(parsed.request_id, namespace_of(caller), parsed.prompt, sampling,
                          "batch" if caller.batch_id is not None else "interactive",
                          params.stream or params.logprobs is not None, billing, params.grammar)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.openai.sse import DONE, sse
 from gateway.openai.tools import ToolCall, ToolCallParser
 from workers.wire.tokenizer import TextTokenizer
 
@@ -83,6 +84,7 @@ class ResponseBuilder:
     logprobs: bool
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     tools: bool = False  # parse tool calls out of the output (gateway/openai/tools.py)
+    _opened: set[int] = field(default_factory=set)  # chat choices whose role chunk was streamed
 
     def _choice(self, index: int) -> ChoiceState:
         state = self.choices.get(index)
@@ -142,6 +144,21 @@ class ResponseBuilder:
         choice = {"index": delta["index"], "text": delta["text"], "logprobs": logprobs,
                   "finish_reason": delta["finish_reason"]}
         return {**self._header("text_completion"), "choices": [choice]}
+
+    # -- the stream protocol of gateway/upstream/exchange.py ----------------------------------------
+    def stream_start(self) -> bytes:
+        return b""
+
+    def stream_line(self, line: dict[str, Any]) -> bytes:
+        """The SSE bytes of one worker line (chat opens each choice with its role chunk)."""
+        head = b""
+        if self.kind == "chat" and line["index"] not in self._opened:
+            self._opened.add(line["index"])
+            head = sse(self.role_chunk(line["index"]))
+        return head + sse(self.chunk(line))
+
+    def stream_end(self, usage: dict[str, int], include_usage: bool) -> bytes:
+        return (sse(self.usage_chunk(usage)) if include_usage else b"") + DONE
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -15,6 +15,7 @@ quotas and run at `batch` priority, metered with their batch id.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -25,8 +26,9 @@ from gateway.observability.metrics import METRICS
 from gateway.observability.request_telemetry import TELEMETRY, observed
 from gateway.observability.tracing import NO_SPAN, TRACING
 from gateway.openai.params import GenerationKind
-from gateway.openai.prompt import namespace_of, parse_generation, worker_body
+from gateway.openai.prompt import ParsedGeneration, namespace_of, parse_generation, worker_body
 from gateway.openai.responses import ResponseBuilder
+from gateway.openai.responses_api import ResponsesBuilder, parse_responses
 from gateway.quotas.admission import admit
 from gateway.upstream.exchange import Exchange
 
@@ -35,21 +37,43 @@ from gateway.upstream.exchange import Exchange
 @tenant_or_batch_line
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """Create a chat completion (OpenAI-compatible; SSE when `stream` is true)."""
-    return await generation(request, "chat")
+    return await generation(request, "chat", "chat.completions")
 
 
 @observed
 @tenant_or_batch_line
 async def completions(request: web.Request) -> web.StreamResponse:
     """Create a text completion (OpenAI-compatible; SSE when `stream` is true)."""
-    return await generation(request, "completion")
+    return await generation(request, "completion", "completions")
 
 
-async def generation(request: web.Request, kind: GenerationKind) -> web.StreamResponse:
+@observed
+@tenant_or_batch_line
+async def responses(request: web.Request) -> web.StreamResponse:
+    """Create a model response (OpenAI Responses API, stateless; SSE events when `stream` is true)."""
+    return await generation(request, "chat", "responses")
+
+
+def _builder(route: str, parsed: ParsedGeneration, created: int) -> Any:
+    params, entry = parsed.params, parsed.entry
+    tools = params.tools is not None and params.tools.active
+    if route == "responses":
+        raw = parsed.raw
+        echo = {name: raw[name] for name in ("instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                                             "tool_choice", "parallel_tool_calls", "text", "user") if name in raw}
+        return ResponsesBuilder(parsed.request_id, entry.name, created, echo, tools=tools)
+    kind: GenerationKind = "chat" if route == "chat.completions" else "completion"
+    return ResponseBuilder(kind, parsed.request_id, entry.name, created, entry.tokenizer, params.logprobs is not None,
+                           tools=tools)
+
+
+async def generation(request: web.Request, kind: GenerationKind, route: str) -> web.StreamResponse:
+    """The pipeline of every generation route (`route`: chat.completions | completions | responses,
+    as usage rows record it)."""
     app, caller, telemetry = request.app, request[CALLER], request[TELEMETRY]
     telemetry.caller(caller.tenant_name, caller.tenant_id, caller.batch_id)
 
-    parsed = await parse_generation(request, kind, caller)
+    parsed = await parse_generation(request, kind, caller, parse_responses if route == "responses" else None)
     params, entry = parsed.params, parsed.entry
     telemetry.request(kind, params, entry.name, parsed.request_id, len(parsed.prompt), parsed.max_tokens,
                       parsed.raw)
@@ -61,13 +85,10 @@ async def generation(request: web.Request, kind: GenerationKind) -> web.StreamRe
     try:
         admission = await admit(request, caller, parsed.request_id, parsed.reserved_tokens)
         meter = telemetry.meter = RequestMeter(parsed.request_id, caller.tenant_id, caller.key_id, entry.name,
-                                               len(parsed.prompt), batch_id=caller.batch_id)
+                                               len(parsed.prompt), batch_id=caller.batch_id, route=route)
         exchange = Exchange(request, params, entry.name, namespace_of(caller), parsed.prompt,
-                            worker_body(parsed, caller, meter.started_at),
-                            ResponseBuilder(kind, parsed.request_id, entry.name, int(time.time()), entry.tokenizer,
-                                            params.logprobs is not None,
-                                            tools=params.tools is not None and params.tools.active),
-                            meter, claim, telemetry.tenant)
+                            worker_body(parsed, caller, meter.started_at, route),
+                            _builder(route, parsed, int(time.time())), meter, claim, telemetry.tenant)
         in_flight = app[METRICS].in_flight.labels(entry.name)
         in_flight.inc()
         try:

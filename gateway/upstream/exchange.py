@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -28,14 +28,26 @@ from gateway.billing.meter import RequestMeter
 from gateway.observability.metrics import METRICS
 from gateway.observability.tracing import TRACING
 from gateway.openai.params import GenerationRequest
-from gateway.openai.responses import ResponseBuilder
-from gateway.openai.sse import DONE, SSE_HEADERS, sse
+from gateway.openai.sse import SSE_HEADERS, sse
 from gateway.state import BACKGROUND, POOL, ROUTER, SETTINGS, WRITER
 from gateway.upstream.detached import DetachedStream
 from gateway.upstream.pool import UpstreamBroken, UpstreamRejected, UpstreamUnavailable
 from workers.wire.generate import GenerateBody
 
 DRAIN_TIMEOUT_S = 10.0
+
+
+class Builder(Protocol):
+    """Turns a request's worker lines into its API's answer: one JSON object, or SSE bytes
+    (chat / completions: gateway/openai/responses.py; Responses: gateway/openai/responses_api.py)."""
+
+    choices: Any  # cleared when a non-streamed request starts over on another worker
+
+    def absorb(self, delta: dict[str, Any]) -> Any: ...
+    def final(self, usage: dict[str, int]) -> dict[str, Any]: ...
+    def stream_start(self) -> bytes: ...
+    def stream_line(self, line: dict[str, Any]) -> bytes: ...
+    def stream_end(self, usage: dict[str, int], include_usage: bool) -> bytes: ...
 
 
 def _failed(line: dict[str, Any]) -> bool:
@@ -50,7 +62,7 @@ class Exchange:
     namespace: str
     prompt: list[int]
     body: GenerateBody  # what the worker gets
-    builder: ResponseBuilder
+    builder: Builder
     meter: RequestMeter
     claim: Claim | None
     tenant: str = "-"  # the metrics' tenant label
@@ -136,7 +148,7 @@ class Exchange:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self.request)
         transcript: list[bytes] = []  # what the client got: stored for Idempotency-Key replays
-        opened: set[int] = set()
+        start = self.builder.stream_start()
         line: dict[str, Any] | None = first
         handed_off = False
         try:
@@ -144,16 +156,9 @@ class Exchange:
                 self.meter.observe(line)
                 if _failed(line):
                     raise UpstreamBroken("the engine failed while generating")
-                index = line["index"]
-                chunk = b""
-                if self.builder.kind == "chat" and index not in opened:
-                    opened.add(index)
-                    chunk += sse(self.builder.role_chunk(index))
-                chunk += sse(self.builder.chunk(line))
+                chunk, start = start + self.builder.stream_line(line), b""
                 if "usage" in line:
-                    if self.params.include_usage:
-                        chunk += sse(self.builder.usage_chunk(line["usage"]))
-                    chunk += DONE
+                    chunk += self.builder.stream_end(line["usage"], self.params.include_usage)
                     transcript.append(chunk)
                     # Billed (with its stored response) before the client can see the end.
                     await self._bill("ok", url, (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))

@@ -1,6 +1,6 @@
 """Sending one batch line to the gateway over HTTP, and sorting its answer.
 
-Each line is POSTed to the gateway's own `/v1/chat/completions` or `/v1/completions` (same routing,
+Each line is POSTed to the gateway's own `/v1/chat/completions`, `/v1/completions` or `/v1/responses` (same routing,
 metering and tracing as interactive traffic) with the admin key, `X-Tollway-Batch-Id` and an
 `Idempotency-Key` of `<batch id>:<line>`: if a runner dies after the gateway billed a line but
 before the result was recorded, the next runner gets the stored answer back instead of running

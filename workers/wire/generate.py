@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import orjson
 
@@ -55,6 +55,7 @@ class Billing(TypedDict):
     model: str
     batch_id: str | None
     started_at: str  # ISO 8601, UTC
+    route: NotRequired[str]  # chat.completions | completions | responses (the usage row's route)
 
 
 class GenerateBody(TypedDict, total=False):

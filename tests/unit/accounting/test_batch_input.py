@@ -97,7 +97,7 @@ def test_custom_id_must_be_a_non_empty_string() -> None:
 
 def test_url_and_method() -> None:
     text = "\n".join([line("a", url="/v1/embeddings"), line("b", method="GET"), line("c", url=CHAT)])
-    assert problems(text) == ["line 1: url must be /v1/chat/completions or /v1/completions",
+    assert problems(text) == ["line 1: url must be /v1/chat/completions or /v1/completions or /v1/responses",
                               "line 2: method must be POST"]
 
 
@@ -116,7 +116,7 @@ def test_body_must_be_an_object_with_a_model() -> None:
 def test_several_problems_on_one_line_are_all_named() -> None:
     assert problems(json.dumps({"custom_id": 1, "method": "PUT", "url": "/x", "body": None})) == [
         "line 1: custom_id must be a non-empty string", "line 1: method must be POST",
-        "line 1: url must be /v1/chat/completions or /v1/completions",
+        "line 1: url must be /v1/chat/completions or /v1/completions or /v1/responses",
         "line 1: body must be an object with a 'model'"]
 
 
