@@ -101,9 +101,13 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
         return compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
     tags = [{"type": "tag", "begin": t.begin, "end": t.end,
              "content": {"type": "json_schema", "json_schema": json.loads(t.schema)}} for t in spec.tags]
-    return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": list(spec.triggers), "tags": tags,
-        "at_least_one": spec.at_least_one, "stop_after_first": spec.stop_after_first}}))
+    if spec.at_least_one:  # calls only, one per line: no free text before, between or after them
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": spec.stop_after_first}
+    else:  # free text, in which a trigger opens a call
+        fmt = {"type": "triggered_tags", "triggers": list(spec.triggers), "tags": tags, "at_least_one": False,
+               "stop_after_first": spec.stop_after_first}
+    return compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
 
 
 class GrammarMasks:
