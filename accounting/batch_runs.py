@@ -48,15 +48,17 @@ class LineResult:
 
     @classmethod
     def from_response(cls, line: int, custom_id: str, status_code: int, body: dict[str, Any]) -> LineResult:
-        """From the gateway's answer; usage (when there is one) gives the tokens."""
+        """From the gateway's answer; usage (when there is one) gives the tokens, in the chat /
+        completions shape (`prompt_tokens`, ...) or the Responses one (`input_tokens`, ...)."""
         usage = body.get("usage") if status_code == 200 else None
         usage = usage if isinstance(usage, dict) else {}
-        details = usage.get("prompt_tokens_details") or {}
+        responses = "input_tokens" in usage
+        details = usage.get("input_tokens_details" if responses else "prompt_tokens_details") or {}
         return cls(line=line, custom_id=custom_id, status_code=status_code, body=body,
                    request_id=body.get("id") if isinstance(body.get("id"), str) else None,
-                   prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                   prompt_tokens=int(usage.get("input_tokens" if responses else "prompt_tokens", 0)),
                    cached_tokens=int(details.get("cached_tokens", 0)),
-                   completion_tokens=int(usage.get("completion_tokens", 0)))
+                   completion_tokens=int(usage.get("output_tokens" if responses else "completion_tokens", 0)))
 
     @classmethod
     def given_up(cls, line: int, custom_id: str, code: str, message: str) -> LineResult:

@@ -98,9 +98,9 @@ def check_metadata(metadata: object) -> dict[str, str] | None:
 
 def estimate_line_tokens(body: dict[str, Any]) -> int:
     """Queued-token estimate of one line: prompt estimate + (max_tokens or 4096) × n."""
-    prompt = body.get("messages", body.get("prompt", ""))
+    prompt = body.get("messages", body.get("prompt", [body.get("instructions", ""), body.get("input", "")]))
     prompt_estimate = len(json.dumps(prompt, ensure_ascii=False).encode()) // PROMPT_BYTES_PER_TOKEN + 1
-    completion = body.get("max_completion_tokens", body.get("max_tokens"))
+    completion = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     if isinstance(completion, bool) or not isinstance(completion, int) or completion < 1:
         completion = DEFAULT_COMPLETION_ESTIMATE
     n = body.get("n", 1)

@@ -276,3 +276,12 @@ def test_the_gateway_reaches_celery_by_name_only() -> None:
             "import workers.jobs.app, workers.jobs.tasks; "
             "bad += [m for m in sys.modules if m.split('.')[0] == 'torch']; sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_responses_lines_are_estimated_and_counted_in_their_own_shape() -> None:
+    estimate = batches.estimate_line_tokens({"input": "hello there", "instructions": "be brief",
+                                             "max_output_tokens": 7})
+    assert 7 < estimate < 7 + 20
+    result = batch_runs.LineResult.from_response(1, "r0", 200, {"id": "resp_1", "usage": {
+        "input_tokens": 11, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 6, "total_tokens": 17}})
+    assert (result.prompt_tokens, result.cached_tokens, result.completion_tokens) == (11, 4, 6)
