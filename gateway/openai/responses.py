@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.openai.sse import DONE, sse
-from gateway.openai.tools import ToolCall, ToolCallParser
+from gateway.openai.tool_stream import Arguments, CallStarted, Event, Text, ToolCallParser
+from gateway.openai.tools import ToolCall
 from workers.wire.tokenizer import TextTokenizer
 
 
@@ -53,6 +54,22 @@ def completion_logprobs(tokenizer: TextTokenizer, delta: dict[str, Any], text_of
             "text_offset": offsets}
 
 
+def tool_call_deltas(calls: list[ToolCall], events: list[Event]) -> list[dict[str, Any]]:
+    """OpenAI's `delta.tool_calls` for one chunk: a call's first entry has its id, type and name;
+    later ones add argument text. One entry per call touched by the chunk."""
+    entries: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if isinstance(event, CallStarted):
+            index = calls.index(event.call)
+            entries[index] = {"index": index, "id": event.call.id, "type": "function",
+                              "function": {"name": event.call.name, "arguments": ""}}
+        elif isinstance(event, Arguments):
+            index = calls.index(event.call)
+            entry = entries.setdefault(index, {"index": index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += event.text
+    return list(entries.values())
+
+
 @dataclass
 class ChoiceState:
     """What one choice has produced so far (non-streamed responses and logprob offsets)."""
@@ -64,9 +81,12 @@ class ChoiceState:
         default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
     text_len: int = 0
     parser: ToolCallParser | None = None  # when the request's tools are active
-    tool_calls: list[ToolCall] = field(default_factory=list)
     last_text: str = ""  # the content of the delta absorbed last (without its tool calls)
-    last_calls: list[ToolCall] = field(default_factory=list)  # the calls it completed
+    last_events: list[Event] = field(default_factory=list)  # its tool-call events
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
 
     def finish_reason_of(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.tool_calls else reason
@@ -108,13 +128,13 @@ class ResponseBuilder:
         """Record one delta; returns its logprobs object (or None) for a streamed chunk."""
         state = self._choice(delta["index"])
         logprobs = self._logprobs_of(delta, state)
-        text, calls = delta["text"], list[ToolCall]()
+        text, events = delta["text"], list[Event]()
         if state.parser is not None:
-            text, calls = state.parser.feed(text)
+            events = state.parser.feed(text)
             if delta["finish_reason"] is not None:
-                text += state.parser.finish()
-            state.tool_calls.extend(calls)
-        state.last_text, state.last_calls = text, calls
+                events += state.parser.finish()
+            text = "".join(e.text for e in events if isinstance(e, Text))
+        state.last_text, state.last_events = text, events
         state.text.append(text)
         state.text_len += len(text)
         if delta["finish_reason"] is not None:
@@ -135,9 +155,9 @@ class ResponseBuilder:
         if self.kind == "chat":
             state = self.choices[delta["index"]]
             body: dict[str, Any] = {"content": state.last_text} if state.last_text else {}
-            if state.last_calls:
-                first = len(state.tool_calls) - len(state.last_calls)
-                body["tool_calls"] = [{"index": first + k, **call.chat()} for k, call in enumerate(state.last_calls)]
+            calls = tool_call_deltas(state.tool_calls, state.last_events)
+            if calls:
+                body["tool_calls"] = calls
             choice = {"index": delta["index"], "delta": body, "logprobs": logprobs,
                       "finish_reason": state.finish_reason_of(delta["finish_reason"])}
             return {**self._header("chat.completion.chunk"), "choices": [choice]}
@@ -173,7 +193,7 @@ class ResponseBuilder:
                 logprobs = {"content": state.chat_logprobs} if self.logprobs else None
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if state.tool_calls:
-                    message["content"] = text or None
+                    message["content"] = text.strip() or None
                     message["tool_calls"] = [call.chat() for call in state.tool_calls]
                 choices.append({"index": index, "message": message, "logprobs": logprobs,
                                 "finish_reason": state.finish_reason})

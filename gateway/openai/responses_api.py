@@ -20,7 +20,8 @@ import orjson
 from gateway.api.errors import ApiError, invalid
 from gateway.openai.params import GenerationRequest, parse_request
 from gateway.openai.structured import text_format_grammar
-from gateway.openai.tools import ToolCall, ToolCallParser, new_call_id
+from gateway.openai.tool_stream import Arguments, CallEnded, CallStarted, Event, Text, ToolCallParser
+from gateway.openai.tools import ToolCall, new_call_id
 
 REFUSED = ("previous_response_id", "conversation", "background", "prompt")
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -127,27 +128,31 @@ class ResponsesBuilder:
     tools: bool = False
     choices: dict[int, Any] = field(default_factory=dict)  # unused: one choice (the exchange clears it)
     _text: list[str] = field(default_factory=list)
-    _calls: list[ToolCall] = field(default_factory=list)
     _parser: ToolCallParser | None = None
     _finish: str | None = None
     _message_id: str = field(default_factory=lambda: f"msg_{new_call_id()[5:]}")
     _message_index: int | None = None  # the output index of the text item, once opened
     _sequence: int = 0
+    _ended: set[str] = field(default_factory=set)  # ids of the calls whose closing events were sent
 
     def __post_init__(self) -> None:
         self._parser = ToolCallParser() if self.tools else None
 
-    def absorb(self, delta: dict[str, Any]) -> tuple[str, list[ToolCall]]:
-        text, calls = delta["text"], list[ToolCall]()
+    @property
+    def _calls(self) -> list[ToolCall]:
+        return self._parser.calls if self._parser is not None else []
+
+    def absorb(self, delta: dict[str, Any]) -> list[Event]:
+        """Record one worker line; its events (text, and tool-call progress when tools are active)."""
+        events: list[Event] = [Text(delta["text"])] if delta["text"] else []
         if self._parser is not None:
-            text, calls = self._parser.feed(text)
+            events = self._parser.feed(delta["text"])
             if delta["finish_reason"] is not None:
-                text += self._parser.finish()
-        self._text.append(text)
-        self._calls.extend(calls)
+                events += self._parser.finish()
+        self._text.extend(e.text for e in events if isinstance(e, Text))
         if delta["finish_reason"] is not None:
             self._finish = delta["finish_reason"]
-        return text, calls
+        return events
 
     # -- objects --------------------------------------------------------------------------------------
     def _message_item(self, status: str) -> dict[str, Any]:
@@ -161,7 +166,7 @@ class ResponsesBuilder:
                 "arguments": call.arguments if status == "completed" else "", "status": status}
 
     def _output(self) -> list[dict[str, Any]]:
-        items = [self._message_item("completed")] if "".join(self._text) or not self._calls else []
+        items = [self._message_item("completed")] if "".join(self._text).strip() or not self._calls else []
         return items + [self._call_item(call) for call in self._calls]
 
     def response(self, status: str, usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -198,29 +203,43 @@ class ResponsesBuilder:
                 + self._event("response.output_item.done", output_index=self._message_index,
                               item=self._message_item("completed")))
 
+    def _call_index(self, call: ToolCall) -> int:
+        return (1 if self._message_index is not None else 0) + self._calls.index(call)
+
     def stream_line(self, line: dict[str, Any]) -> bytes:
-        text, calls = self.absorb(line)
         out = b""
-        if text:
-            if self._message_index is None:
-                self._message_index = 0
-                out += self._event("response.output_item.added", output_index=0, item=self._message_item("in_progress"))
-                out += self._event("response.content_part.added", item_id=self._message_id, output_index=0,
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-            out += self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                               content_index=0, delta=text, logprobs=[])
-        for call in calls:
-            index = (1 if self._message_index is not None else 0) + self._calls.index(call)
-            item = self._call_item(call, "in_progress")
-            out += self._event("response.output_item.added", output_index=index, item=item)
-            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=call.arguments)
-            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=call.arguments)
-            out += self._event("response.output_item.done", output_index=index, item=self._call_item(call))
+        for event in self.absorb(line):
+            if isinstance(event, Text):
+                if self._message_index is None:
+                    self._message_index = 0
+                    out += self._event("response.output_item.added", output_index=0,
+                                       item=self._message_item("in_progress"))
+                    out += self._event("response.content_part.added", item_id=self._message_id, output_index=0,
+                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                out += self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                                   content_index=0, delta=event.text, logprobs=[])
+            elif isinstance(event, CallStarted):
+                out += self._event("response.output_item.added", output_index=self._call_index(event.call),
+                                   item=self._call_item(event.call, "in_progress"))
+            elif isinstance(event, Arguments):
+                out += self._event("response.function_call_arguments.delta", item_id=f"fc_{event.call.id[5:]}",
+                                   output_index=self._call_index(event.call), delta=event.text)
+            elif isinstance(event, CallEnded):
+                out += self._call_done(event.call)
         return out
+
+    def _unfinished_calls_done(self) -> bytes:
+        """Calls max_output_tokens cut short still get their closing events (partial arguments)."""
+        return b"".join(self._call_done(call) for call in self._calls if call.id not in self._ended)
+
+    def _call_done(self, call: ToolCall) -> bytes:
+        self._ended.add(call.id)
+        index = self._call_index(call)
+        return (self._event("response.function_call_arguments.done", item_id=f"fc_{call.id[5:]}",
+                            output_index=index, arguments=call.arguments)
+                + self._event("response.output_item.done", output_index=index, item=self._call_item(call)))
 
     def stream_end(self, usage: dict[str, int], include_usage: bool) -> bytes:
         body = self.final(usage)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-        return self._text_done() + self._event(kind, response=body)
+        return self._text_done() + self._unfinished_calls_done() + self._event(kind, response=body)

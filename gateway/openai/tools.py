@@ -13,7 +13,7 @@ one per tool, with the arguments constrained by the tool's `parameters` schema:
 - `required`: one call or more and nothing else; a named function: calls of that function only;
 - `none`: no grammar, no parsing (the tools are not shown to the model);
 - `parallel_tool_calls: false`: the output stops after its first call.
-`ToolCallParser` splits the output into content and calls, incrementally for streams. Pure: no I/O.
+gateway/openai/tool_stream.py splits the output into content and calls as it streams. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -157,50 +157,3 @@ class ToolCall:
 
     def chat(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-class ToolCallParser:
-    """Splits a choice's output into content and tool calls as its text arrives. Text that may
-    still become `<tool_call>` is held back; a call is released once its `</tool_call>` arrives."""
-
-    def __init__(self) -> None:
-        self._buffer = ""
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        content, calls = [], []
-        while True:
-            start = self._buffer.find(OPEN)
-            if start == -1:
-                hold = max((k for k in range(1, len(OPEN)) if self._buffer.endswith(OPEN[:k])), default=0)
-                content.append(self._buffer[: len(self._buffer) - hold])
-                self._buffer = self._buffer[len(self._buffer) - hold:]
-                break
-            end = self._buffer.find(CLOSE, start)
-            if end == -1:
-                content.append(self._buffer[:start])
-                self._buffer = self._buffer[start:]
-                break
-            call = _parse_call(self._buffer[start + len(OPEN): end])
-            if call is None:  # not a call after all: keep it as text
-                content.append(self._buffer[: end + len(CLOSE)])
-            else:
-                content.append(self._buffer[:start])
-                calls.append(call)
-            self._buffer = self._buffer[end + len(CLOSE):]
-        return "".join(content).strip("\n") if calls else "".join(content), calls
-
-    def finish(self) -> str:
-        """What is left (an unfinished call, cut by max_tokens): text."""
-        rest, self._buffer = self._buffer, ""
-        return rest
-
-
-def _parse_call(inner: str) -> ToolCall | None:
-    try:
-        value = orjson.loads(inner)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "arguments" not in value:
-        return None
-    return ToolCall(new_call_id(), value["name"], orjson.dumps(value["arguments"]).decode())

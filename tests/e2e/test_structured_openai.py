@@ -117,6 +117,7 @@ def test_streamed_tool_call_deltas_assemble_and_the_follow_up_turn_is_accepted(c
                                                                          "function": {"name": "get_weather"}},
         parallel_tool_calls=False, max_tokens=120, temperature=0, stream=True)
     calls: dict[int, dict] = {}
+    argument_deltas = 0
     finish = None
     for chunk in stream:
         if not chunk.choices:
@@ -126,8 +127,10 @@ def test_streamed_tool_call_deltas_assemble_and_the_follow_up_turn_is_accepted(c
             call["id"] = delta.id or call["id"]
             call["name"] += (delta.function.name or "") if delta.function else ""
             call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            argument_deltas += bool(delta.function and delta.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
+    assert argument_deltas > 2  # the arguments stream as they are decoded
     call = calls[0]
     assert call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])

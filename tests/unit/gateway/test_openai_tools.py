@@ -11,7 +11,8 @@ from gateway.api.errors import ApiError
 from gateway.openai.params import parse_request
 from gateway.openai.responses import ResponseBuilder
 from gateway.openai.structured import text_format_grammar
-from gateway.openai.tools import ToolCallParser, default_rendering, parse_tools
+from gateway.openai.tool_stream import Arguments, CallEnded, CallStarted, Text, ToolCallParser
+from gateway.openai.tools import default_rendering, parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -86,14 +87,31 @@ def test_a_conversation_with_calls_renders_in_the_default_format() -> None:
     assert rendered[3]["content"] == "<tool_response>\nsunny\n</tool_response>"
 
 
-def test_the_parser_holds_back_what_may_become_a_call() -> None:
+def test_the_parser_streams_text_and_call_arguments_as_they_arrive() -> None:
     parser = ToolCallParser()
-    out = [parser.feed(piece) for piece in ["Let me check. <tool", "_call>\n{\"name\": \"get_weather\", ",
-                                            "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>", " done"]]
-    assert [text for text, _ in out] == ["Let me check. ", "", "", " done"]
-    [call] = out[2][1]
-    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.id.startswith("call_")
-    assert parser.feed("<tool_call>\n{\"name\": \"x\"") == ("", []) and parser.finish().startswith("<tool_call>")
+    pieces = ["Let me check. <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Pa', 'ris"}', "}",
+              "\n</tool_", "call>", "\n<tool_call>\n{\"name\": \"clock\", \"arguments\": {}}\n</tool_call>"]
+    out = [parser.feed(piece) for piece in pieces]
+    assert out[0] == [Text("Let me check. ")] and out[1] == []
+    [started, first_args] = out[2]
+    assert isinstance(started, CallStarted) and started.call.name == "get_weather" and started.call.id.startswith("call_")
+    assert first_args == Arguments(started.call, '{"city": "Pa')
+    assert out[3] == [Arguments(started.call, 'ris"')]  # its "}" may be the wrapper's: held back
+    assert out[4] == [Arguments(started.call, "}")]  # a second "}" came: the first was the arguments''
+    assert out[5] == [] and out[6] == [CallEnded(started.call)]
+    assert json.loads(started.call.arguments) == {"city": "Paris"}
+    assert [type(e) for e in out[7]] == [CallStarted, Arguments, CallEnded]  # the "\n" between calls is no content
+    assert [c.name for c in parser.calls] == ["get_weather", "clock"] and parser.finish() == []
+
+
+def test_an_unfinished_call_keeps_its_partial_arguments_and_a_fake_tag_stays_text() -> None:
+    parser = ToolCallParser()
+    parser.feed('<tool_call>\n{"name": "x", "arguments": {"a": 1')
+    assert parser.finish() == [] and parser.calls[0].arguments == '{"a": 1'
+    prose = ToolCallParser()
+    events = prose.feed("<tool_call> is how I would call a tool, " + "really " * 40)
+    assert "".join(e.text for e in events if isinstance(e, Text)).startswith("<tool_call> is how")
+    assert prose.calls == []
 
 
 def test_builder_turns_calls_into_tool_calls_and_streams_them_in_openai_shape() -> None:
@@ -101,9 +119,13 @@ def test_builder_turns_calls_into_tool_calls_and_streams_them_in_openai_shape() 
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     first = builder.chunk({"index": 0, "text": text[:30], "token_ids": [1], "finish_reason": None})
     assert first["choices"][0]["delta"] == {}
-    last = builder.chunk({"index": 0, "text": text[30:], "token_ids": [2], "finish_reason": "stop"})
-    [delta] = last["choices"][0]["delta"]["tool_calls"]
-    assert delta["index"] == 0 and delta["type"] == "function" and delta["function"]["name"] == "get_weather"
+    second = builder.chunk({"index": 0, "text": text[30:60], "token_ids": [2], "finish_reason": None})
+    [opened] = second["choices"][0]["delta"]["tool_calls"]
+    assert opened["index"] == 0 and opened["type"] == "function" and opened["function"]["name"] == "get_weather"
+    last = builder.chunk({"index": 0, "text": text[60:], "token_ids": [3], "finish_reason": "stop"})
+    [more] = last["choices"][0]["delta"]["tool_calls"]
+    assert more == {"index": 0, "function": {"arguments": more["function"]["arguments"]}}
+    assert json.loads(opened["function"]["arguments"] + more["function"]["arguments"]) == {"city": "Paris"}
     assert last["choices"][0]["finish_reason"] == "tool_calls"
     final = builder.final({"prompt_tokens": 3, "completion_tokens": 2})
     message = final["choices"][0]["message"]
