@@ -68,8 +68,8 @@ class RequestTelemetry:
         if params.sampling.get("temperature") is not None:
             self.span.set_attribute("gen_ai.request.temperature", float(params.sampling["temperature"]))
         if self.record_prompts:
-            key, value = ("gen_ai.input.messages", raw.get("messages")) if kind == "chat" else \
-                ("gen_ai.prompt", raw.get("prompt"))
+            key, value = ("gen_ai.input.messages", params.messages) if kind == "chat" else \
+                ("gen_ai.prompt", raw.get("prompt"))  # chat and Responses alike: the messages as parsed
             self.span.set_attribute(key, orjson.dumps(value).decode()[:MAX_PROMPT_CHARS])
 
     def failed(self, exc: BaseException) -> None:

@@ -199,3 +199,11 @@ def test_bad_structure_is_a_400(client: openai.OpenAI, kwargs: dict, param: str)
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(**request)
     assert error.value.status_code == 400 and error.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_schema_the_grammar_compiler_refuses_is_a_400_too(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}  # valid JSON Schema, dangling ref
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "dangling", "schema": schema}})
+    assert "cannot be used for constrained decoding: Cannot find field $defs" in str(error.value)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -34,6 +35,7 @@ from workers.wire.grammar import GrammarSpec
 
 log = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " before its message
 
 
 class GrammarError(ValueError):
@@ -72,7 +74,8 @@ class GrammarCompiler:
         try:
             compiled = _compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors derive from these
-            raise GrammarError(f"the schema cannot be used for constrained decoding: {exc}") from exc
+            reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
+            raise GrammarError(f"the schema cannot be used for constrained decoding: {reason}") from exc
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > MAX_CACHED_GRAMMARS:
