@@ -19,8 +19,9 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
     loaded = load_named_model(settings, model, dtype, console)
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
-    engine = AsyncEngine(Engine(loaded, engine_config(settings), name=model,
-                                tracer=tracing.tracer if tracing is not None else None))
+    core = Engine(loaded, engine_config(settings), name=model, tracer=tracing.tracer if tracing is not None else None)
+    core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
+    engine = AsyncEngine(core)
     info = engine.info()
     console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")

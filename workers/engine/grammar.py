@@ -2,7 +2,8 @@
 
 - `GrammarCompiler` turns a request's `GrammarSpec` (workers/wire/grammar.py) into a compiled
   grammar for this model's vocabulary, cached by the spec's hash. It loads xgrammar (and builds the
-  vocabulary's token table, ~0.3 s) on first use only: free-text serving never pays for it.
+  vocabulary's token table, ~0.3 s) on first use, or when `prepare()`d (`tollway worker` does at
+  start, before it serves).
 - Each constrained sequence owns a matcher (`Sequence.matcher`): the grammar's state after its
   output so far. It advances with every accepted token (`accept`). A forked choice (n > 1) gets
   `matcher.fork()` at its parent's state; a preempted sequence keeps its output tokens and so its
@@ -51,6 +52,12 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    def prepare(self) -> None:
+        """Load xgrammar and build the vocabulary's token table now (~2 s), not on the first
+        constrained request (which would stall the worker's event loop while it validates)."""
+        with self._lock:
+            self._xgrammar_compiler()
 
     def _xgrammar_compiler(self) -> Any:
         if self._compiler is None:
