@@ -168,6 +168,8 @@ class Engine:
             phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
         if not update.sampling:
             return deltas
+        if masks is not None and update.forks:
+            masks.result()  # forking reads the parents' matchers: not while the helper fills from them
         sampling, logits = self._start_forks(update, logits)
         constrain = None
         if masks is not None or any(fork.child.matcher is not None for fork in update.forks):
