@@ -21,7 +21,7 @@ from workers.models.tiny import SPECIAL_TOKENS, tiny_config
 from workers.wire.grammar import GrammarSpec
 from workers.wire.sampling import SamplingParams
 
-CHARS = list('{}[]":, ') + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+CHARS = list('{}[]":, <>/_\n') + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -153,3 +153,31 @@ def test_masks_allow_exactly_what_the_matcher_accepts(tiny: LoadedModel) -> None
     assert rebuilt.accept_token(vocab["c"]) and not rebuilt.accept_token(vocab["a"])
     with pytest.raises(GrammarError):
         compiler.rebuild(spec, [vocab["}"]])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_are_calls_only_with_valid_arguments(tiny: LoadedModel, parallel: bool) -> None:
+    from gateway.openai.params import parse_request
+    from gateway.openai.tool_stream import CallEnded, Text, ToolCallParser
+
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"], "additionalProperties": False}}} for name in ("ab", "cd")]
+    request = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                     "tool_choice": "required", "parallel_tool_calls": parallel})
+    engine = Engine(tiny, EngineConfig(num_blocks=200))
+    params = [SamplingParams(max_tokens=300, temperature=1.0, seed=i, grammar=request.grammar) for i in range(4)]
+    for seq in engine.generate_batch(prompts(4), params):
+        # one call then the end; in parallel, random weights may keep calling until max_tokens
+        assert seq.finish_reason is FinishReason.STOP or parallel, spelled(tiny, seq.output_ids)
+        parser = ToolCallParser()
+        events = parser.feed(spelled(tiny, seq.output_ids)) + parser.finish()
+        texts = [e.text for e in events if isinstance(e, Text)]
+        if seq.finish_reason is FinishReason.LENGTH and texts and texts[-1].startswith("<tool_call>"):
+            texts.pop()  # a call cut by max_tokens before its name was complete
+        assert texts == []  # calls only, no free text
+        ended = [e.call for e in events if isinstance(e, CallEnded)]
+        assert ended and (parallel or len(parser.calls) == 1)
+        for call in ended:
+            assert call.name in ("ab", "cd")
+            jsonschema.validate(json.loads(call.arguments), tools[0]["function"]["parameters"])
