@@ -12,7 +12,9 @@ Figures are read from each run's output with regular expressions: a preset per k
 (named groups `v_<metric>` are values, other named groups name the figure; a group `X_eq`
 names it `X=<match>`). The table shows every
 round's value, the median per tree, and after / before of the medians, flagged where it is
-outside `--tolerance` (issue 19 asks for +-5%). Rounds run A B A B (`--order abba`: A B B A).
+outside `--tolerance` (issue 19 asks for +-5%). Figures of code that is the same in both trees
+(engine_gsp's transformers rows, gateway_overhead's direct rows) are the control: their spread is
+the machine's noise. Rounds run A B A B (`--order abba`: A B B A).
 
     .venv/bin/python ops/bench/before_after.py --before 3be0e08 [--after REF] [--rounds 2] -- \\
         python -m ops.bench.gateway_overhead --seconds 5 --concurrency 1,64 --no-stream
@@ -55,7 +57,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "engine_gsp": {
         "section": r"^(?P<section>shared-prefix|no-sharing) workload",
         "figures": [
-            rf"^(?P<mode>tollway engine|transformers static fp32|transformers static bf16){_ROW}",
+            rf"^(?P<mode>tollway engine|transformers static \w+|transformers generate_batch){_ROW}",
             r"^TTFT one request at a time: cold (?P<v_cold_ms>[\d.]+) ms, system prompt cached (?P<v_cached_ms>[\d.]+) ms",
             r"^decode step at batch 32.*?: (?P<v_step_ms>[\d.]+) ms; matmuls alone (?P<v_matmuls_ms>[\d.]+) ms",
         ],
@@ -69,6 +71,8 @@ def parse_figures(output: str, patterns: list[str], section: str | None) -> dict
     current = ""
     compiled = [re.compile(p) for p in patterns]
     for line in output.splitlines():
+        if not line.strip():  # a blank line ends a section
+            current = ""
         if section and (found := re.match(section, line)):
             current = found.group("section")
             continue
