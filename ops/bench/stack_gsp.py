@@ -16,12 +16,15 @@ Systems:
   - llama-server (with --llama-server PATH): the model's GGUF, 4 slots, its OpenAI-compatible
     /v1/chat/completions, same client, streaming and concurrency;
   - transformers static batched `generate`, fp32 and bf16 (engine_gsp's functions, one batch).
+In-process systems run on one background thread, as the worker runs its engine (torch ops from a
+main thread spin in OpenMP waits: 10-20x slower on a loaded machine, measured here).
 
 Columns: output tok/s (tokens actually returned / wall), TTFT p50 and p90 (request sent to its
 first content chunk; transformers: the batch's prefill), wall (first request sent to last token),
 and CPU s: the CPU time the serving processes used during the run (the stack's gateway + engine
 worker, not the client nor the batch worker; llama-server; this process for in-process systems),
-steadier than wall time on a loaded machine.
+steadier than wall time on a loaded machine. HTTP systems' notes add the client's CPU time (this
+process: the openai client shares the cores with the servers).
 
 Goals (issue 21): stack / best of (transformers fp32, bf16, llama-server) >= 2.5x shared-prefix,
 >= 1.5x no-sharing; stack / engine offline (C in flight) >= 0.9.
@@ -130,11 +133,11 @@ class Bench:
             print(f"\n{workload} workload (best of {self.args.repeats})\n{HEADER}")
             for runs in self.runs[workload].values():
                 print(max(runs, key=lambda r: r.output_rate).row())
-        print(f"\n{'ratio (output tok/s)':52} {'goal':>6} " + " ".join(f"{w:>14}" for w in WORKLOADS))
+        print(f"\n{'ratio of output tok/s':56} " + " ".join(f"{w + ' (goal)':>22}" for w in WORKLOADS))
         for label, goal, ratio in self.ratios():
-            cells = " ".join(f"{(f'{r:.2f}x' + (' ok' if r >= g else ' NO')) if r else '—':>14}"
+            cells = " ".join(f"{f'{r:.2f}x (>= {g:g}) ' + ('met' if r >= g else 'NOT met') if r else '—':>22}"
                              for r, g in zip(ratio, goal, strict=True))
-            print(f"{label:52} {'/'.join(f'{g:g}' for g in dict.fromkeys(goal)):>6} {cells}")
+            print(f"{label:56} {cells}")
 
     def ratios(self) -> list[tuple[str, list[float], list[float | None]]]:
         def ratio(workload: str, names: tuple[str, ...]) -> float | None:
@@ -221,9 +224,10 @@ def main() -> None:
                 for workload in WORKLOADS:
                     for name, run in systems:
                         pids = server_pids.get(name, [0])  # in-process systems: this process
-                        cpu_before = processes_cpu_s(pids)
+                        cpu_before, client_before = processes_cpu_s(pids), processes_cpu_s([0])
                         if name in server_pids:
                             result = as_run(name, run(workload, rep))
+                            result.note = f"client CPU {processes_cpu_s([0]) - client_before:.1f} s {result.note}"
                         else:
                             result = as_run(name, engine_thread.submit(run, workload, rep).result())
                         result.cpu_s = processes_cpu_s(pids) - cpu_before
