@@ -157,6 +157,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     usage_reported: bool
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
 
 async def stream_chat(client: AsyncOpenAI, model: str, messages: Messages, max_tokens: int,
@@ -179,7 +180,9 @@ async def stream_chat(client: AsyncOpenAI, model: str, messages: Messages, max_t
     done = time.perf_counter()
     if usage is None:
         return Answer(sent, first, done, 0, counted, False)
-    return Answer(sent, first, done, usage.prompt_tokens, usage.completion_tokens, True)
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else None
+    return Answer(sent, first, done, usage.prompt_tokens, usage.completion_tokens, True, cached)
 
 
 async def chat_load(base_url: str, api_key: str, conversations: list[Messages], max_tokens: int,
@@ -204,6 +207,9 @@ async def chat_load(base_url: str, api_key: str, conversations: list[Messages], 
     note = "" if all(a.usage_reported for a in answers) else "tokens counted from chunks (no usage)"
     if missing:
         note += f" {missing} answers without content"
+    if all(a.cached_tokens is not None for a in answers):
+        hit = sum(a.cached_tokens or 0 for a in answers) / max(1, sum(a.prompt_tokens for a in answers))
+        note = f"prefix hit {hit:.1%} {note}"
     return Run(name, end - start, sum(a.prompt_tokens for a in answers), sum(a.completion_tokens for a in answers),
                [a.first_token - a.sent for a in answers if a.first_token is not None], note.strip())
 
