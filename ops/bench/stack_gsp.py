@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import shlex
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp llama-server binary")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama-server (default: the model's)")
     parser.add_argument("--slots", type=int, default=4, help="llama-server -np")
+    parser.add_argument("--llama-args", default="", help="more llama-server arguments, e.g. '--poll 0'")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--system", type=int, default=350)
@@ -187,8 +189,8 @@ def main() -> None:
                 raise SystemExit("no GGUF for llama-server: pass --gguf")
             per_slot = 2 ** ((args.system + args.question + args.output + 64).bit_length() + 1)  # room to spare
             context = args.slots * per_slot
-            llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context)
-            print(f"llama-server: {llama.version()}; {gguf.name}; -np {args.slots} -c {context}", flush=True)
+            llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, shlex.split(args.llama_args))
+            print(f"llama-server: {llama.version()}; {' '.join(llama.argv[1:])}", flush=True)
         else:
             print("llama-server: skipped (no --llama-server PATH; see ops/bench/README.md to build it)")
         try:

@@ -124,11 +124,13 @@ def processes_cpu_s(pids: list[int]) -> float:
 class LlamaServer:
     """llama.cpp's `llama-server` with `slots` parallel slots sharing a `context`-token KV cache."""
 
-    def __init__(self, binary: Path, gguf: Path, workdir: Path, slots: int, context: int) -> None:
+    def __init__(self, binary: Path, gguf: Path, workdir: Path, slots: int, context: int,
+                 extra: list[str] | None = None) -> None:
         self.port = free_port()
         self.log = workdir / "llama-server.log"
         self.argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                     "-np", str(slots), "-c", str(context), "-t", str(os.cpu_count() or 1), "--jinja"]
+                     "-np", str(slots), "-c", str(context), "-t", str(os.cpu_count() or 1), "--jinja",
+                     *(extra or [])]
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
