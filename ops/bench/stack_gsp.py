@@ -55,7 +55,7 @@ from ops.bench.engine_gsp import KV_BUDGET, run_engine, run_hf_static
 from ops.bench.stack_servers import LlamaServer, TollwayStack, chat_load, processes_cpu_s, warm_up
 from ops.bench.stack_workload import HEADER, Messages, Run, chat_workload, run_engine_in_flight
 from workers.models.assets import BUILTIN_MODELS, resolve_model_folder
-from workers.models.loader import load_model
+from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.precision import resolve_dtype
 from workers.wire.tokenizer import TextTokenizer
@@ -222,6 +222,7 @@ def main() -> None:
             # In-process systems run on one background thread, as the worker runs its engine: on a loaded
             # machine, torch ops from the main thread spin in OpenMP waits (10-20x slower measured here).
             engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-engine")
+            engine_thread.submit(warm_up_in_process, ours, list(hf.values())).result()
             for rep in range(args.repeats):
                 for workload in WORKLOADS:
                     for name, run in systems:
@@ -240,6 +241,14 @@ def main() -> None:
             stack.stop()
     bench.report()
     print(f"\n{load_line()} at the end; {cpu_line()}")
+
+
+def warm_up_in_process(loaded: LoadedModel, hf_models: list[Any]) -> None:
+    """First-call costs (allocations, kernel selection) out of the figures, as the servers' warm-up does."""
+    prompts = [list(range(100 + i, 140 + i)) for i in range(4)]
+    run_engine_in_flight(loaded, prompts, 4, 4, KV_BUDGET)
+    for model in hf_models:
+        run_hf_static(model, prompts, 4, "warm-up")
 
 
 def hf_system(model: Any, name: str, bench: Bench, output: int) -> Callable[[str, int], Any]:
