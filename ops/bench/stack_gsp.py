@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import os
 import shlex
+import shutil
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -179,66 +180,69 @@ def main() -> None:
     print(f"engine offline dtype {str(dtype).removeprefix('torch.')} (auto); the stack's worker uses the same "
           f"default; torch threads {torch.get_num_threads()}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="tollway-stack-bench-") as tmp:
-        workdir = Path(tmp)
-        stack = TollwayStack(workdir, args.home, {"TOLLWAY_KV_CACHE_MB": str(KV_BUDGET // 2**20)})
-        llama = None
-        if args.llama_server is not None:
-            gguf = args.gguf or BUILTIN_MODELS[args.model].locate()
-            if gguf is None:
-                raise SystemExit("no GGUF for llama-server: pass --gguf")
-            per_slot = 2 ** ((args.system + args.question + args.output + 64).bit_length() + 1)  # room to spare
-            context = args.slots * per_slot
-            llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, shlex.split(args.llama_args))
-            print(f"llama-server: {llama.version()}; {' '.join(llama.argv[1:])}", flush=True)
-        else:
-            print("llama-server: skipped (no --llama-server PATH; see ops/bench/README.md to build it)")
-        try:
-            key = stack.start()
-            asyncio.run(warm_up(stack.base_url, key, args.output))
-            if llama is not None:
-                llama.start()
-                asyncio.run(warm_up(llama.base_url, "none", args.output))
-            print(f"tollway up ready at {stack.base_url} (logs {stack.home / 'logs'})\n"
-                  f"{STACK}: through the gateway, streamed, AsyncOpenAI, {args.in_flight} in flight; {OFFLINE}: "
-                  f"{args.in_flight} in flight; {LLAMA}: {args.slots} slots, {args.in_flight} in flight; "
-                  f"transformers: all in one batch\n\n{'':15} {HEADER}", flush=True)
-            systems: list[tuple[str, Callable[[str, int], Any]]] = [
-                (STACK, lambda w, r: asyncio.run(chat_load(
-                    stack.base_url, key, bench.conversations[w, r], args.output, args.in_flight,
-                    {"ignore_eos": True}))),
-                (OFFLINE, lambda w, r: run_engine_in_flight(
-                    ours, bench.prompt_ids[w, r], args.output, args.in_flight, KV_BUDGET)),
-                (OFFLINE_ALL, lambda w, r: run_engine(ours, bench.prompt_ids[w, r], args.output, OFFLINE_ALL)),
-            ]
-            if llama is not None:
-                server = llama
-                systems.append((LLAMA, lambda w, r: asyncio.run(chat_load(
-                    server.base_url, "none", bench.conversations[w, r], args.output, args.in_flight,
-                    {"ignore_eos": True}))))
-            for name, model in hf.items():
-                systems.append((name, hf_system(model, name, bench, args.output)))
-            server_pids = {STACK: stack.server_pids(), LLAMA: [llama.process.pid] if llama and llama.process else []}
-            # In-process systems run on one background thread, as the worker runs its engine: on a loaded
-            # machine, torch ops from the main thread spin in OpenMP waits (10-20x slower measured here).
-            engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-engine")
-            engine_thread.submit(warm_up_in_process, ours, list(hf.values())).result()
-            for rep in range(args.repeats):
-                for workload in WORKLOADS:
-                    for name, run in systems:
-                        pids = server_pids.get(name, [0])  # in-process systems: this process
-                        cpu_before, client_before = processes_cpu_s(pids), processes_cpu_s([0])
-                        if name in server_pids:
-                            result = as_run(name, run(workload, rep))
-                            result.note = f"client CPU {processes_cpu_s([0]) - client_before:.1f} s {result.note}"
-                        else:
-                            result = as_run(name, engine_thread.submit(run, workload, rep).result())
-                        result.cpu_s = processes_cpu_s(pids) - cpu_before
-                        bench.record(workload, result)
-        finally:
-            if llama is not None:
-                llama.stop()
-            stack.stop()
+    workdir = Path(tempfile.mkdtemp(prefix="tollway-stack-bench-"))  # kept, with its logs, if a run fails
+    stack = TollwayStack(workdir, args.home, {"TOLLWAY_KV_CACHE_MB": str(KV_BUDGET // 2**20)})
+    llama = None
+    if args.llama_server is not None:
+        gguf = args.gguf or BUILTIN_MODELS[args.model].locate()
+        if gguf is None:
+            raise SystemExit("no GGUF for llama-server: pass --gguf")
+        per_slot = 2 ** ((args.system + args.question + args.output + 64).bit_length() + 1)  # room to spare
+        context = args.slots * per_slot
+        llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, shlex.split(args.llama_args))
+        print(f"llama-server: {llama.version()}; {' '.join(llama.argv[1:])}", flush=True)
+    else:
+        print("llama-server: skipped (no --llama-server PATH; see ops/bench/README.md to build it)")
+    try:
+        key = stack.start()
+        asyncio.run(warm_up(stack.base_url, key, args.output))
+        if llama is not None:
+            llama.start()
+            asyncio.run(warm_up(llama.base_url, "none", args.output))
+        print(f"tollway up ready at {stack.base_url} (logs {stack.home / 'logs'})\n"
+              f"{STACK}: through the gateway, streamed, AsyncOpenAI, {args.in_flight} in flight; {OFFLINE}: "
+              f"{args.in_flight} in flight; {LLAMA}: {args.slots} slots, {args.in_flight} in flight; "
+              f"transformers: all in one batch\n\n{'':15} {HEADER}", flush=True)
+        systems: list[tuple[str, Callable[[str, int], Any]]] = [
+            (STACK, lambda w, r: asyncio.run(chat_load(
+                stack.base_url, key, bench.conversations[w, r], args.output, args.in_flight,
+                {"ignore_eos": True}))),
+            (OFFLINE, lambda w, r: run_engine_in_flight(
+                ours, bench.prompt_ids[w, r], args.output, args.in_flight, KV_BUDGET)),
+            (OFFLINE_ALL, lambda w, r: run_engine(ours, bench.prompt_ids[w, r], args.output, OFFLINE_ALL)),
+        ]
+        if llama is not None:
+            server = llama
+            systems.append((LLAMA, lambda w, r: asyncio.run(chat_load(
+                server.base_url, "none", bench.conversations[w, r], args.output, args.in_flight,
+                {"ignore_eos": True}))))
+        for name, model in hf.items():
+            systems.append((name, hf_system(model, name, bench, args.output)))
+        server_pids = {STACK: stack.server_pids(), LLAMA: [llama.process.pid] if llama and llama.process else []}
+        # In-process systems run on one background thread, as the worker runs its engine: on a loaded
+        # machine, torch ops from the main thread spin in OpenMP waits (10-20x slower measured here).
+        engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-engine")
+        engine_thread.submit(warm_up_in_process, ours, list(hf.values())).result()
+        for rep in range(args.repeats):
+            for workload in WORKLOADS:
+                for name, run in systems:
+                    pids = server_pids.get(name, [0])  # in-process systems: this process
+                    cpu_before, client_before = processes_cpu_s(pids), processes_cpu_s([0])
+                    if name in server_pids:
+                        result = as_run(name, run(workload, rep))
+                        result.note = f"client CPU {processes_cpu_s([0]) - client_before:.1f} s {result.note}"
+                    else:
+                        result = as_run(name, engine_thread.submit(run, workload, rep).result())
+                    result.cpu_s = processes_cpu_s(pids) - cpu_before
+                    bench.record(workload, result)
+    except BaseException:
+        print(f"failed: the servers' logs are kept in {workdir}", flush=True)
+        raise
+    finally:
+        if llama is not None:
+            llama.stop()
+        stack.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
     bench.report()
     print(f"\n{load_line()} at the end; {cpu_line()}")
 
