@@ -189,7 +189,8 @@ def main() -> None:
             raise SystemExit("no GGUF for llama-server: pass --gguf")
         per_slot = 2 ** ((args.system + args.question + args.output + 64).bit_length() + 1)  # room to spare
         context = args.slots * per_slot
-        llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, shlex.split(args.llama_args))
+        llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, shlex.split(args.llama_args),
+                            args.in_flight)
         print(f"llama-server: {llama.version()}; {' '.join(llama.argv[1:])}", flush=True)
     else:
         print("llama-server: skipped (no --llama-server PATH; see ops/bench/README.md to build it)")

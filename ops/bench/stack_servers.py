@@ -125,11 +125,13 @@ class LlamaServer:
     """llama.cpp's `llama-server` with `slots` parallel slots sharing a `context`-token KV cache."""
 
     def __init__(self, binary: Path, gguf: Path, workdir: Path, slots: int, context: int,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, in_flight: int = 16) -> None:
         self.port = free_port()
         self.log = workdir / "llama-server.log"
         self.argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(slots), "-c", str(context), "-t", str(os.cpu_count() or 1), "--jinja",
+                     # an HTTP thread per open connection: with fewer, queued clients were disconnected
+                     "--threads-http", str(in_flight + 4),
                      *(extra or [])]
         self.process: subprocess.Popen[bytes] | None = None
 
