@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["reference", "cpu", "triton"]
-BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "triton")
+Backend = Literal["reference", "cpu", "native", "triton"]
+BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "native", "triton")
 
 
 @dataclass
