@@ -28,6 +28,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.sampler import SampleResult, sample
 from workers.engine.scheduler import Scheduler, StepUpdate
 from workers.models.loader import LoadedModel
+from workers.models.packed_linear import pack_linears
 from workers.wire.sampling import SamplingParams
 
 
@@ -79,8 +80,10 @@ class Engine:
             1, config.kv_budget_bytes // KVStorage.bytes_per_block(
                 c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
         self.cache = KVCacheManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
-                                  select_backend(model.device, config.attention))
+        backend = select_backend(model.device, config.attention)
+        if backend == "native":  # the native decode step's matmuls run on prepacked weights
+            pack_linears(model)
+        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size), backend)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
