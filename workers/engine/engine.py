@@ -21,6 +21,7 @@ from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.detokenize import OutputText
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
@@ -66,6 +67,7 @@ class EngineConfig:
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
+    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
 
 
 class Engine:
@@ -83,7 +85,11 @@ class Engine:
         backend = select_backend(model.device, config.attention)
         if backend == "native":  # the native decode step's matmuls run on prepacked weights
             pack_linears(model)
-        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size), backend)
+        graphs = config.cuda_graphs and model.device.type == "cuda"
+        # With CUDA graphs the storage holds one block more than the pool hands out: the padding rows'.
+        kv = model.allocate_kv(num_blocks + graphs, config.block_size)
+        self.runner = ModelRunner(model, kv, backend,
+                                  DecodeGraphs(model, kv, num_blocks, backend) if graphs else None)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

@@ -11,16 +11,19 @@ import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.table_rows import BlockTableRows
 from workers.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model, self.kv = model, kv
         self.backend = backend  # the attention backend of every step; None: by device
         self.table_rows = BlockTableRows(model.device)
+        self.graphs = graphs  # captured decode steps (CUDA only); None: every step eager
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
@@ -42,4 +45,8 @@ class ModelRunner:
         last_token = (meta.query_start[1:] - 1).long()
         wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, meta, wanted)
+            if logits is not None:
+                return logits
         return self.model(input_ids, self.kv, meta, wanted)  # [0, V] when only partial prefills ran
