@@ -13,6 +13,7 @@ from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
+from tests.required import unavailable
 from workers.engine.graph_buckets import batch_bucket, context_bucket, pad_decode_batch
 from workers.models.loader import load_model
 from workers.paged_step import run_step
@@ -30,7 +31,7 @@ def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
     from workers.models.tiny import write_tiny_model_folder
 
     if backend == "native" and not native.load():
-        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")  # test_native.py fails CI then
+        unavailable(str(native.unavailable_reason()))
     model = load_model(write_tiny_model_folder(tmp_path / "m", "llama", seed=2), torch.float32).model
     pool = BlockPool(40, 4)
     dummy_block = pool.allocate(1)[0]
