@@ -3,6 +3,10 @@
 Forking (parallel sampling, `n > 1`) shares every block with the child by reference. Full blocks
 are never written again, so sharing them is free; a shared, partly filled last block is copied
 before the first write to it (copy-on-write), and the copy is returned for the KV storage to do.
+
+`version` counts the changes to `block_ids` (blocks added, a block replaced by its copy, all
+released): a mirror of the table (the engine's persistent block-table rows) is current exactly
+when it saw the same version.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class BlockTable:
         self.pool = pool
         self.block_ids = list(block_ids)
         self.num_tokens = num_tokens
+        self.version = 0
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks `append(num_new_tokens)` would allocate (including a copy-on-write copy)."""
@@ -40,6 +45,8 @@ class BlockTable:
             self.block_ids[-1] = copy
             self.pool.release([shared])
         self.block_ids.extend(fresh)
+        if needed:  # a copy-on-write copy is counted in `needed` too
+            self.version += 1
         self.num_tokens += num_new_tokens
         return copies
 
@@ -53,6 +60,7 @@ class BlockTable:
         self.pool.release(self.block_ids)
         self.block_ids = []
         self.num_tokens = 0
+        self.version += 1
 
     def _last_block_is_shared(self) -> bool:
         partial = self.num_tokens % self.pool.block_size != 0

@@ -4,8 +4,10 @@ A step runs on the backend named in its metadata (`PagedAttentionMetadata.backen
 step's builder sets: the engine resolves its `attention` setting (`TOLLWAY_ATTENTION`, read by the
 worker's settings) once, when it is built, with `select_backend`. `reference` is the slow torch
 reference (for debugging a suspected kernel bug), `triton` the Triton kernels (on a CPU only under
-`TRITON_INTERPRET=1`), `cpu` the CPU path; `auto`, and a step built without a backend, pick by
-device: Triton on CUDA, the CPU path elsewhere. Decode sequences (the first `meta.num_decodes`) go
+`TRITON_INTERPRET=1`), `cpu` the torch CPU path, `native` the C++ CPU ops (`kernels/cpu/native`:
+decode reads the paged cache in place; extends run on the CPU path); `auto`, and a step built
+without a backend, pick by device: Triton on CUDA; on a CPU `native` when its library builds and
+loads on this machine (built once, cached), else the CPU path (the reason is logged). Decode sequences (the first `meta.num_decodes`) go
 to the backend's decode op, the rest to its extend op.
 """
 
@@ -17,11 +19,12 @@ from typing import Literal
 import torch
 
 from kernels import cpu, reference
+from kernels.cpu import native
 from kernels.metadata import BACKENDS, Backend, PagedAttentionMetadata
 
 __all__ = ["BACKENDS", "AttentionChoice", "Backend", "paged_attention", "select_backend"]
 
-AttentionChoice = Literal["auto", "reference", "cpu", "triton"]
+AttentionChoice = Literal["auto", "reference", "cpu", "native", "triton"]
 
 
 def select_backend(device: torch.device, choice: str = "auto") -> Backend:
@@ -32,7 +35,9 @@ def select_backend(device: torch.device, choice: str = "auto") -> Backend:
             return backend
     if forced != "auto":
         raise ValueError(f"TOLLWAY_ATTENTION must be auto, {', '.join(BACKENDS)}; got {forced!r}")
-    return "triton" if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        return "triton"
+    return "native" if native.load() else "cpu"
 
 
 def paged_attention(
@@ -59,4 +64,6 @@ def _backend_module(backend: Backend) -> ModuleType:
         from kernels import triton as triton_backend  # imported on first use: CPU runs never build a kernel
 
         return triton_backend
+    if backend == "native":
+        return native
     return cpu if backend == "cpu" else reference

@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["reference", "cpu", "triton"]
-BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "triton")
+Backend = Literal["reference", "cpu", "native", "triton"]
+BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "native", "triton")
 
 
 @dataclass
@@ -33,12 +33,23 @@ class PagedAttentionMetadata:
     num_decodes: int
     query_lens_list: list[int]
     context_lens_list: list[int]
-    block_tables_list: list[list[int]]
     # The backend that runs this step (kernels/dispatch.py); None: chosen by device by the first layer.
     backend: Backend | None = None
     # Per-step preparations of a backend (gather indices, masks), keyed by backend and dtype and
     # made by the first layer that needs them; owned by the backend that wrote them.
     prepared: dict[object, object] = field(default_factory=dict)
+    # Python rows of `block_tables` for the backends that plan in Python (the CPU cascade); made from
+    # the tensor on first use when the step was built from tensors (`from_tables`).
+    tables_as_lists: list[list[int]] | None = None
+
+    @property
+    def block_tables_list(self) -> list[list[int]]:
+        """Each sequence's blocks as a list (those covering its context)."""
+        if self.tables_as_lists is None:
+            bs = self.block_size
+            rows = self.block_tables.tolist()
+            self.tables_as_lists = [row[: -(-n // bs)] for row, n in zip(rows, self.context_lens_list, strict=True)]
+        return self.tables_as_lists
 
     @property
     def num_seqs(self) -> int:
@@ -71,32 +82,54 @@ class PagedAttentionMetadata:
                 raise ValueError(f"a sequence needs 1 <= new tokens ({q_len}) <= context length ({ctx})")
             if len(table) * block_size < ctx:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {ctx} tokens")
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
         max_blocks = max(len(t) for t in block_tables)
         padded = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
         for row, blocks in enumerate(block_tables):
             padded[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
-        q_lens = torch.as_tensor(list(query_lens), dtype=torch.int64)
-        ctx_lens = torch.as_tensor(list(context_lens), dtype=torch.int64)
-        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        meta = cls.from_tables(query_lens, context_lens, padded.to(device), block_size, backend)
+        meta.tables_as_lists = [list(t) for t in block_tables]
+        return meta
+
+    @classmethod
+    def from_tables(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        backend: Backend | None = None,
+    ) -> PagedAttentionMetadata:
+        """A step over block tables already laid out as an int32 tensor [S, max_blocks] on the step's
+        device (rows padded past each sequence's blocks with any valid block id). Positions and slots
+        come from tensor ops: the Python work is O(S), never O(S x blocks). Not validated: the
+        caller (the engine's runner, `build`) guarantees lengths and tables agree."""
+        device = block_tables.device
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        q_lens = torch.tensor(list(query_lens), dtype=torch.int64, device=device)
+        ctx_lens = torch.tensor(list(context_lens), dtype=torch.int64, device=device)
+        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64, device=device)
         torch.cumsum(q_lens, 0, out=query_start[1:])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = torch.arange(int(query_start[-1])) - query_start[seq_of_token] + (ctx_lens - q_lens)[seq_of_token]
-        token_blocks = padded[seq_of_token, positions // block_size].long()
+        if num_decodes == len(query_lens):  # all decodes: token i is sequence i's newest
+            seq_of_token = torch.arange(len(query_lens), device=device)
+            positions = ctx_lens - 1
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q_lens)
+            first = (ctx_lens - q_lens - query_start[:-1])[seq_of_token]
+            positions = torch.arange(len(seq_of_token), device=device) + first
+        token_blocks = block_tables[seq_of_token, positions // block_size].long()
         slots = token_blocks * block_size + positions % block_size
         return cls(
-            query_start=query_start.to(device=device, dtype=torch.int32),
-            context_lens=ctx_lens.to(device=device, dtype=torch.int32),
-            block_tables=padded.to(device),
-            slot_mapping=slots.to(device),
-            positions=positions.to(device),
+            query_start=query_start.to(torch.int32),
+            context_lens=ctx_lens.to(torch.int32),
+            block_tables=block_tables,
+            slot_mapping=slots,
+            positions=positions,
             block_size=block_size,
             num_decodes=num_decodes,
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
-            block_tables_list=[list(t) for t in block_tables],
             backend=backend,
         )
 

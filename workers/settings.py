@@ -29,8 +29,9 @@ class WorkerSettings(TracingSettings):
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int = 1024
     """Token budget of one engine step (prefill chunks + decodes)."""
-    attention: Literal["auto", "cpu", "triton", "reference"] = "auto"
-    """Attention backend: auto (Triton on CUDA, the CPU path elsewhere), cpu, triton (on a CPU only with
+    attention: Literal["auto", "cpu", "native", "triton", "reference"] = "auto"
+    """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
+    (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with
     TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""
     worker_secret: str | None = None
     """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,

@@ -22,6 +22,7 @@ from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine import grammar
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.detokenize import OutputText
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
@@ -30,6 +31,7 @@ from workers.engine.runner import ModelRunner
 from workers.engine.sampler import SampleResult, sample
 from workers.engine.scheduler import Scheduler, StepUpdate
 from workers.models.loader import LoadedModel
+from workers.models.packed_linear import pack_linears
 from workers.wire.sampling import SamplingParams
 
 
@@ -67,6 +69,7 @@ class EngineConfig:
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
+    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
 
 
 class Engine:
@@ -81,8 +84,14 @@ class Engine:
             1, config.kv_budget_bytes // KVStorage.bytes_per_block(
                 c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
         self.cache = KVCacheManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
-                                  select_backend(model.device, config.attention))
+        backend = select_backend(model.device, config.attention)
+        if backend == "native":  # the native decode step's matmuls run on prepacked weights
+            pack_linears(model)
+        graphs = config.cuda_graphs and model.device.type == "cuda"
+        # With CUDA graphs the storage holds one block more than the pool hands out: the padding rows'.
+        kv = model.allocate_kv(num_blocks + graphs, config.block_size)
+        self.runner = ModelRunner(model, kv, backend,
+                                  DecodeGraphs(model, kv, num_blocks, backend) if graphs else None)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

@@ -1,5 +1,9 @@
 """Runs a scheduled batch through the model: block copies, the step's metadata (on the engine's
-attention backend), one forward, the logits of the sequences that sample."""
+attention backend), one forward, the logits of the sequences that sample.
+
+The step's block tables come from persistent rows (`table_rows.BlockTableRows`) updated only where a
+table changed; positions and slots are tensor ops over them (`PagedAttentionMetadata.from_tables`):
+the Python work per step is O(batch)."""
 
 from __future__ import annotations
 
@@ -7,14 +11,19 @@ import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import ScheduledBatch
+from workers.engine.table_rows import BlockTableRows
 from workers.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model, self.kv = model, kv
         self.backend = backend  # the attention backend of every step; None: by device
+        self.table_rows = BlockTableRows(model.device)
+        self.graphs = graphs  # captured decode steps (CUDA only); None: every step eager
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
@@ -27,13 +36,17 @@ class ModelRunner:
             tokens.extend(seq.all_ids[seq.computed_len : end])
             context_lens.append(end)
             assert seq.block_table is not None
-            tables.append(seq.block_table.block_ids)
+            tables.append(seq.block_table)
             if samples:
                 sampling_rows.append(row)
         device = self.model.device
-        meta = PagedAttentionMetadata.build(batch.num_new, context_lens, tables, self.kv.block_size, device,
-                                            backend=self.backend)
+        meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, self.table_rows.gather(tables),
+                                                  self.kv.block_size, backend=self.backend)
         last_token = (meta.query_start[1:] - 1).long()
         wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, meta, wanted)
+            if logits is not None:
+                return logits
         return self.model(input_ids, self.kv, meta, wanted)  # [0, V] when only partial prefills ran

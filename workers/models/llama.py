@@ -17,6 +17,7 @@ from torch import nn
 from cache.kv_storage import KVStorage
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
+from workers.models import fused_decode
 from workers.models.config import ModelConfig
 from workers.models.rope import RotaryTable, apply_rotary
 
@@ -117,9 +118,12 @@ class LlamaForCausalLM(nn.Module):
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
-        hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv, meta)
+        if fused_decode.can_fuse(self, meta):  # all decodes on the native CPU ops
+            hidden = fused_decode.decode_hidden(self, input_ids, kv, meta, cos, sin)
+        else:
+            hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, kv, meta)
         if logit_indices is not None:
             hidden = hidden[logit_indices]
         return self.logits(hidden)

@@ -159,7 +159,10 @@ def test_mixed_step_through_dispatch(backend: Backend) -> None:
 
 
 def test_backend_selection() -> None:
-    assert select_backend(torch.device("cpu")) == "cpu"
+    from kernels.cpu import native
+
+    assert select_backend(torch.device("cpu")) == ("native" if native.load() else "cpu")
+    assert select_backend(torch.device("cpu"), "cpu") == "cpu"
     assert select_backend(torch.device("cuda")) == "triton"
     assert select_backend(torch.device("cuda"), "reference") == "reference"
     with pytest.raises(ValueError, match="TOLLWAY_ATTENTION"):

@@ -1,0 +1,81 @@
+"""The native CPU backend: C++ ops (`tollway_cpu.cpp`, built by `build.py`) that read the paged
+K/V cache in place, plus the fused small ops of the decode step.
+
+`load()` builds (once per machine) and loads the library, and says whether the ops exist; when the
+compiler is missing or the build fails it logs why, once, and returns False, and every caller
+falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway_cpu.*`:
+
+- `paged_decode(q [B, Hq, D], k_cache, v_cache, block_tables [B, M] int32, context_lens [B] int32,
+  scale, window) -> [B, Hq, D]` (window 0 = none), D in {16, 32, 64, 128, 256}, Hq / Hkv <= 8;
+- `add_rms_norm(residual [N, H] fp32 (updated in place), x [N, H] | None, weight, eps) -> normed`;
+- `rotary_store(qkv [N, (Hq + 2 Hkv) D] (q and k rotated in place), cos [N, D], sin, k_cache, v_cache,
+  slots [N] int64, Hq, Hkv)`: also writes k and v at their slots;
+- `silu_mul(gate_up [N, 2I]) -> [N, I]`.
+
+`store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
+extends (prefill chunks) run on the torch CPU path.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+
+import torch
+
+from kernels import cpu
+from kernels.cpu.native.build import BuildError, build
+from kernels.metadata import PagedAttentionMetadata
+
+log = logging.getLogger(__name__)
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_GROUP = 8
+DTYPES = (torch.float32, torch.bfloat16)
+
+__all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason"]
+
+
+@cache
+def _load() -> str | None:
+    """None when the ops are loaded; else why not (logged once)."""
+    try:
+        torch.ops.load_library(str(build()))
+    except (BuildError, OSError, RuntimeError) as exc:
+        reason = f"native CPU kernels unavailable, using the torch CPU path: {exc}"
+        log.warning(reason)
+        return reason
+    return None
+
+
+def load() -> bool:
+    """Build (first use on this machine) and load the ops; False when they cannot be had here."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` failed, or None when the ops are loaded."""
+    return _load()
+
+
+def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether the native decode kernel handles this attention shape and dtype."""
+    group = num_q_heads // max(num_kv_heads, 1)
+    return (head_dim in HEAD_DIMS and num_q_heads % max(num_kv_heads, 1) == 0 and group <= MAX_GROUP
+            and dtype in DTYPES)
+
+
+store_kv = cpu.store_kv
+extend_step = cpu.extend_step
+
+
+def decode_step(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The decodes (the first `meta.num_decodes` sequences), attending in place over their blocks."""
+    d = meta.num_decodes
+    if not covers(q.shape[-1], q.shape[1], k_cache.shape[2], q.dtype) or not load():
+        return cpu.decode_step(q, k_cache, v_cache, meta, scale, sliding_window)
+    return torch.ops.tollway_cpu.paged_decode(
+        q, k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, sliding_window or 0)

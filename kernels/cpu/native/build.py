@@ -1,0 +1,107 @@
+"""Compiling `tollway_cpu.cpp` once per machine and loading it into the process.
+
+The shared library is cached under `$TOLLWAY_KERNEL_CACHE` (default `~/.cache/tollway/kernels`) in a
+folder named by a hash of the source, the compiler flags and the torch version, so a new source, a
+different torch or a CPU with other vector units builds its own copy and never loads a stale one.
+The vector flags come from what torch detected on this CPU at run time
+(`torch.backends.cpu.get_cpu_capability()`: AVX512 or AVX2); never `-march=native`, so the cache
+key names every instruction set the library may use. A CPU with neither gets no native library.
+Concurrent first builds (several workers starting together) serialise on a lock file; the
+library is written under a temporary name and renamed into place, so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("tollway_cpu.cpp")
+VECTOR_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+# -ffp-contract=off: no fused multiply-adds where the source does not ask for them, so the fp32
+# elementwise ops round as torch's eager ops do.
+BASE_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden",
+              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
+
+
+class BuildError(RuntimeError):
+    """The native library cannot be had on this machine; the message says why."""
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("TOLLWAY_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "tollway" / "kernels"
+
+
+def vector_flags() -> list[str]:
+    capability = torch.backends.cpu.get_cpu_capability()
+    for name, flags in VECTOR_FLAGS.items():
+        if capability.startswith(name):
+            return flags
+    raise BuildError(f"this CPU offers torch {capability!r}; the native kernels need AVX2 or AVX512")
+
+
+def compiler() -> str:
+    name = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not name:
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    return name
+
+
+def command(output: Path) -> list[str]:
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    libraries = [f"-L{cpp_extension.TORCH_LIB_PATH}" if hasattr(cpp_extension, "TORCH_LIB_PATH")
+                 else f"-L{Path(torch.__file__).parent / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    return [compiler(), *BASE_FLAGS, *vector_flags(), *includes, str(SOURCE), "-o", str(output),
+            *libraries]
+
+
+def library_path() -> Path:
+    """Where this machine's build of the current source lives (it may not exist yet)."""
+    key_parts = [SOURCE.read_bytes(), " ".join([*BASE_FLAGS, *vector_flags()]).encode(), torch.__version__.encode()]
+    key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
+    return cache_root() / f"tollway_cpu-{key}" / "tollway_cpu.so"
+
+
+def build(progress: bool = True) -> Path:
+    """The path of a built library, compiling it first when absent (~30 s). Raises BuildError."""
+    target = library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
+        if target.exists():
+            return target
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        args = command(partial)
+        if progress:
+            print(f"tollway: building the native CPU kernels once for this machine into {target.parent} "
+                  f"(about 30 s)...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BuildError(f"the compiler did not run: {exc}") from exc
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise BuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        partial.rename(target)
+        if progress:
+            print(f"tollway: native CPU kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+                  flush=True)
+    return target

@@ -1,0 +1,359 @@
+// tollway's native CPU ops for the decode step, registered as torch.ops.tollway_cpu.*.
+//
+// Built by kernels/cpu/native/build.py with AVX2 or AVX512 flags (CPU_CAPABILITY_* selects ATen's
+// Vectorized<float> width W = 8 or 16). Shapes follow kernels/reference.py:
+//   K/V cache per layer [num_blocks, block_size, Hkv, D] (rows of one token contiguous: stride(3) == 1);
+//   block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens held, the new one included).
+// Every op computes in fp32 and rounds to the tensor dtype (fp32 or bf16) where torch's eager ops
+// of the Python path round, so fp32 results match that path to the last bits or nearly.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+using BVec = at::vec::Vectorized<BFloat16>;
+constexpr int64_t W = Vec::size();
+constexpr int64_t kMaxGroup = 8;
+
+inline float reduce_add(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// n floats from src (fp32 or bf16) into dst; n is a multiple of 2 * W (head dims are >= 16).
+template <typename T>
+inline void load_floats(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    for (int64_t i = 0; i < n; i += 2 * W) {
+      auto [lo, hi] = at::vec::convert_to_float<BFloat16>(BVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + W);
+    }
+  }
+}
+
+// Any n: vector body, scalar tail (c10::BFloat16 rounds to nearest even, as torch does).
+template <typename T>
+inline void store_floats(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
+      at::vec::convert_from_float<BFloat16>(Vec::loadu(src + i), Vec::loadu(src + i + W)).store(dst + i);
+    }
+    for (; i < n; ++i) dst[i] = BFloat16(src[i]);
+  }
+}
+
+// x rounded to T and back (identity for fp32): where torch's eager path stores an intermediate.
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return static_cast<float>(BFloat16(x));
+  }
+}
+
+// ---- paged decode attention ------------------------------------------------------------------
+// One task per (sequence, KV head): its G query heads read that head's K and V rows once, in place
+// through the block table (no gather). Scores for the whole context live in a per-thread buffer
+// [G, L] (L = context rounded up to W); softmax and the V sum run over it in fp32.
+template <typename T, int64_t D>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+                       at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), BS = k_cache.size(1);
+  const int64_t G = Hq / Hkv;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
+  const int64_t ts0 = tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
+  const int64_t L = (max_len + W - 1) / W * W;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * L);
+    alignas(64) float qf[kMaxGroup * D];
+    alignas(64) float row[D];
+    alignas(64) float acc[kMaxGroup * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t len = lp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start, n_padded = (n + W - 1) / W * W;
+      for (int64_t g = 0; g < G; ++g) load_floats(qp + b * qs0 + (h * G + g) * qs1, qf + g * D, D);
+      float row_max[kMaxGroup];
+      std::fill(row_max, row_max + G, -std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = start + i;
+        const int64_t offset = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+        load_floats(kp + offset, row, D);
+        for (int64_t g = 0; g < G; ++g) {
+          Vec dot(0.f);
+          for (int64_t d = 0; d < D; d += W) dot = at::vec::fmadd(Vec::loadu(qf + g * D + d), Vec::loadu(row + d), dot);
+          const float s = reduce_add(dot) * fscale;
+          scores[g * L + i] = s;
+          row_max[g] = std::max(row_max[g], s);
+        }
+      }
+      float total[kMaxGroup];
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());  // exp(-inf) = 0
+        Vec sum(0.f);
+        const Vec m(row_max[g]);
+        for (int64_t i = 0; i < n_padded; i += W) {
+          const Vec p = (Vec::loadu(s + i) - m).exp();
+          p.store(s + i);
+          sum = sum + p;
+        }
+        total[g] = reduce_add(sum);
+      }
+      std::fill(acc, acc + G * D, 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = start + i;
+        const int64_t offset = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+        load_floats(vp + offset, row, D);
+        for (int64_t g = 0; g < G; ++g) {
+          const Vec p(scores[g * L + i]);
+          for (int64_t d = 0; d < D; d += W) {
+            at::vec::fmadd(p, Vec::loadu(row + d), Vec::loadu(acc + g * D + d)).store(acc + g * D + d);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const Vec inv(1.f / total[g]);
+        for (int64_t d = 0; d < D; d += W) (Vec::loadu(acc + g * D + d) * inv).store(acc + g * D + d);
+        store_floats(acc + g * D, op + b * os0 + (h * G + g) * os1, D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void paged_decode_dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& t,
+                               const at::Tensor& l, double scale, int64_t window, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: return paged_decode_impl<T, 16>(q, k, v, t, l, scale, window, out);
+    case 32: return paged_decode_impl<T, 32>(q, k, v, t, l, scale, window, out);
+    case 64: return paged_decode_impl<T, 64>(q, k, v, t, l, scale, window, out);
+    case 128: return paged_decode_impl<T, 128>(q, k, v, t, l, scale, window, out);
+    case 256: return paged_decode_impl<T, 256>(q, k, v, t, l, scale, window, out);
+    default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "paged_decode: head rows must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && context_lens.is_contiguous(),
+              "paged_decode: block tables and context lengths must be int32 rows");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+                  q.size(1) / k_cache.size(2) <= kMaxGroup,
+              "paged_decode: need head_dim equal and at most 8 query heads per KV head");
+  TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_dispatch_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: fp32 or bf16 only");
+    paged_decode_dispatch_dim<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  }
+  return out;
+}
+
+// ---- residual add + RMSNorm -----------------------------------------------------------------
+// residual [N, H] fp32 += x (any of fp32/bf16, optional); returns weight * rms_norm(residual) in the
+// weight's dtype, the normalised row rounded to that dtype before the weight multiplies it (as
+// `weight * F.rms_norm(h.float()).to(weight.dtype)` does).
+template <typename T>
+at::Tensor add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                             double eps) {
+  const int64_t N = residual.size(0), H = residual.size(1);
+  at::Tensor out = at::empty({N, H}, weight.options());
+  float* rp = residual.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const bool has_x = x.has_value();
+  const at::ScalarType xt = has_x ? x->scalar_type() : at::kFloat;
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(H);
+    for (int64_t n = begin; n < end; ++n) {
+      float* r = rp + n * H;
+      if (has_x) {
+        if (xt == at::kFloat) {
+          const float* xp = x->data_ptr<float>() + n * H;
+          for (int64_t i = 0; i < H; ++i) r[i] += xp[i];
+        } else {
+          const BFloat16* xp = x->data_ptr<BFloat16>() + n * H;
+          for (int64_t i = 0; i < H; ++i) r[i] += static_cast<float>(xp[i]);
+        }
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < H; ++i) sum += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) tmp[i] = round_to<T>(static_cast<float>(wp[i]) * round_to<T>(r[i] * inv));
+      store_floats(tmp.data(), op + n * H, H);
+    }
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "add_rms_norm: the residual must be a contiguous fp32 [N, H]");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "add_rms_norm: weight must be [H]");
+  if (x.has_value()) {
+    TORCH_CHECK(x->sizes() == residual.sizes() && x->is_contiguous() &&
+                    (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
+                "add_rms_norm: x must be a contiguous fp32/bf16 tensor shaped as the residual");
+  }
+  if (weight.scalar_type() == at::kFloat) return add_rms_norm_impl<float>(residual, x, weight, eps);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "add_rms_norm: fp32 or bf16 weight only");
+  return add_rms_norm_impl<BFloat16>(residual, x, weight, eps);
+}
+
+// ---- rotary + K/V store ---------------------------------------------------------------------
+// qkv [N, (Hq + 2 Hkv) * D] (q heads, k heads, v heads): q and k rotated in place ("rotate half"),
+// then k and v written at their flat slots of the caches (a negative slot is skipped). cos/sin
+// [N, D] in qkv's dtype. Each product and the sum are rounded as torch's `x * cos + rot * sin` does.
+template <typename T>
+void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slots, int64_t hq, int64_t hkv) {
+  const int64_t N = qkv.size(0), D = k_cache.size(3), half = D / 2, row_stride = qkv.stride(0);
+  const int64_t kv_row = hkv * D;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      T* row = xp + n * row_stride;
+      const T* c = cp + n * cos.stride(0);
+      const T* s = sp + n * sin.stride(0);
+      for (int64_t head = 0; head < hq + hkv; ++head) {
+        T* x = row + head * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+          const float a1 = round_to<T>(x1 * static_cast<float>(c[i]));
+          const float b1 = round_to<T>(-x2 * static_cast<float>(s[i]));
+          const float a2 = round_to<T>(x2 * static_cast<float>(c[i + half]));
+          const float b2 = round_to<T>(x1 * static_cast<float>(s[i + half]));
+          x[i] = T(a1 + b1);
+          x[i + half] = T(a2 + b2);
+        }
+      }
+      if (slot[n] >= 0) {
+        std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
+        std::copy(row + hq * D + kv_row, row + hq * D + 2 * kv_row, vc + slot[n] * kv_row);
+      }
+    }
+  });
+}
+
+void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                  const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "rotary_store: caches must be contiguous and alike");
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D &&
+                  k_cache.size(2) == num_kv_heads && D % 2 == 0,
+              "rotary_store: qkv must be [N, (Hq + 2 Hkv) * D] with contiguous rows");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
+                  sin.stride(1) == 1 && cos.size(0) == qkv.size(0),
+              "rotary_store: cos/sin must be [N, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
+              "rotary_store: slots must be int64 [N]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
+                  sin.scalar_type() == cos.scalar_type(),
+              "rotary_store: qkv, cos/sin and the caches must share a dtype");
+  if (qkv.scalar_type() == at::kFloat) return rotary_store_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rotary_store: fp32 or bf16 only");
+  rotary_store_impl<BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------
+// gate_up [N, 2I] (gate first) -> [N, I]; silu rounded to the dtype before the product, as eager.
+template <typename T>
+at::Tensor silu_mul_impl(const at::Tensor& gate_up) {
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({N, I}, gate_up.options());
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (I + kChunk - 1) / kChunk;
+  at::parallel_for(0, N * chunks, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float g[kChunk], u[kChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks, lo = (task % chunks) * kChunk, m = std::min(kChunk, I - lo);
+      const T* gate = gp + n * 2 * I + lo;
+      const T* up = gate + I;
+      for (int64_t i = 0; i < m; ++i) g[i] = static_cast<float>(gate[i]), u[i] = static_cast<float>(up[i]);
+      int64_t i = 0;
+      for (; i + W <= m; i += W) {
+        const Vec x = Vec::loadu(g + i);
+        (x / (Vec(1.f) + x.neg().exp())).store(g + i);
+      }
+      for (; i < m; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+      for (i = 0; i < m; ++i) g[i] = round_to<T>(g[i]) * u[i];
+      store_floats(g, op + n * I + lo, m);
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous [N, 2I]");
+  if (gate_up.scalar_type() == at::kFloat) return silu_mul_impl<float>(gate_up);
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: fp32 or bf16 only");
+  return silu_mul_impl<BFloat16>(gate_up);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tollway_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int window) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slots, int num_q_heads, int num_kv_heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_store", &rotary_store);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,116 @@
+"""The engine's decode step against its matmuls alone (issue 21): backend `cpu` (torch ops, plain
+weights) vs `native` (C++ ops reading the paged cache in place, fused small ops, prepacked weights),
+in bf16 (only where the CPU computes bf16 natively) and fp32, in one run.
+
+One engine per dtype prefills `--batch` unrelated prompts of `--context` tokens, then runs
+`--steps` decode steps on the `cpu` backend, switches the same engine (same sequences, same KV) to
+`native` (packing its linears) and runs `--steps` more. After each step the step's matmuls alone
+(every layer's four projections and the LM head on [batch, ·] inputs, through the same modules the
+step used) are timed once, so each ratio compares two medians taken under the same load.
+
+    .venv/bin/python ops/bench/decode_step.py [--batch 32 --context 380 --steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import native
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.assets import resolve_model_folder
+from workers.models.llama import DecoderLayer, LlamaForCausalLM
+from workers.models.loader import load_model
+from workers.models.packed_linear import pack_linears
+from workers.precision import cpu_has_native_bf16
+from workers.wire.sampling import SamplingParams
+
+
+def cpu_flags() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+            return " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+    return "?"
+
+
+@torch.inference_mode()
+def time_matmuls(model: LlamaForCausalLM, batch: int) -> float:
+    c = model.config
+    x = torch.randn(batch, c.hidden_size, dtype=model.dtype)
+    q = torch.randn(batch, c.q_size, dtype=model.dtype)
+    inner = torch.randn(batch, c.intermediate_size, dtype=model.dtype)
+    start = time.perf_counter()
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        layer.qkv_proj(x)
+        layer.o_proj(q)
+        layer.gate_up_proj(x)
+        layer.down_proj(inner)
+    model.lm_head(x)
+    return time.perf_counter() - start
+
+
+def measure(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
+    """Median decode step and median matmuls-alone time (seconds), one of each per step."""
+    step_times, matmul_times = [], []
+    for _ in range(steps):
+        if engine.num_running != batch or any(s.is_prefilling for s in engine.sequences.values()):
+            raise RuntimeError("every sequence must decode in each measured step")
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+        matmul_times.append(time_matmuls(engine.runner.model, batch))
+    return statistics.median(step_times), statistics.median(matmul_times)
+
+
+def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int) -> None:
+    loaded = load_model(folder, dtype)
+    engine = Engine(loaded, EngineConfig(max_batch_tokens=batch * (context + 1), kv_budget_bytes=2 * 2**30,
+                                         attention="cpu"))
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{i}", [rng.randrange(100, 40000) for _ in range(context)], params)
+    while any(s.is_prefilling or s.output_len == 0 for s in engine.sequences.values()):
+        engine.step()
+    engine.step()  # warm-up
+    name = str(dtype).removeprefix("torch.")
+    results = {"cpu": measure(engine, batch, steps)}
+    if native.load():
+        pack_linears(loaded.model)
+        engine.runner.backend = "native"
+        engine.step()  # warm-up
+        results["native"] = measure(engine, batch, steps)
+    else:
+        print(f"native unavailable: {native.unavailable_reason()}")
+    for backend, (step, matmuls) in results.items():
+        print(f"{name:9} {backend:7} step {step * 1e3:7.1f} ms   matmuls alone {matmuls * 1e3:6.1f} ms   "
+              f"ratio {step / matmuls:4.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=380)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    folder = resolve_model_folder(args.model, args.home)
+    print(f"decode step at batch {args.batch}, ~{args.context}-token contexts, {torch.get_num_threads()} threads; "
+          f"CPU flags: {cpu_flags()}; torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")
+    dtypes = [torch.bfloat16] if cpu_has_native_bf16() else []
+    for dtype in [*dtypes, torch.float32]:
+        run(folder, dtype, args.batch, args.context, args.steps)
+
+
+if __name__ == "__main__":
+    main()

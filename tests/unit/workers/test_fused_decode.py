@@ -1,0 +1,94 @@
+"""The fused native decode step (workers/models/fused_decode.py, packed linears) against the eager
+step on the same batch and KV state: same logits (fp32 within 1e-4; bf16 within bf16 rounding),
+same argmax tokens, same K/V written; and the engine's greedy tokens on `native` equal `cpu`'s.
+Needs the native library (tests/required.py: skipped locally without a compiler, a failure on CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from kernels.cpu import native
+from kernels.metadata import PagedAttentionMetadata
+from tests.required import unavailable
+from workers.engine.engine import Engine, EngineConfig
+from workers.models import fused_decode
+from workers.models.loader import load_model
+from workers.models.packed_linear import PackedLinear, pack_linears
+from workers.paged_step import run_step
+from workers.wire.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+def prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 64)]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "dtype", "overrides"),
+    [
+        ("llama", torch.float32, {}),
+        ("llama", torch.bfloat16, {}),
+        ("qwen2", torch.float32, {}),  # q/k/v bias
+        ("mistral", torch.float32, {"sliding_window": 12}),  # window shorter than most contexts
+        ("llama", torch.float32, {"head_dim": 32, "num_attention_heads": 8, "num_key_value_heads": 1}),  # group 8
+    ],
+    ids=["llama-fp32", "llama-bf16", "qwen2-bias", "mistral-window", "group-8"],
+)
+def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
+                                      overrides: dict[str, int]) -> None:
+    from workers.models.tiny import write_tiny_model_folder
+
+    if "head_dim" in overrides:
+        overrides = {**overrides, "hidden_size": overrides["head_dim"] * overrides["num_attention_heads"]}
+    model = load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
+    block_size = 8
+    pool = BlockPool(64, block_size)
+    kv = model.allocate_kv(pool.num_blocks, block_size)
+    batch = prompts(1)
+    tables = [BlockTable(pool) for _ in batch]
+    run_step(model, kv, tables, batch, backend="cpu")  # prefill
+    for table in tables:
+        table.append(1)
+    new_tokens = torch.tensor([5, 9, 17, 33, 65])
+    results = []
+    for backend in ("cpu", "native"):
+        if backend == "native":
+            assert pack_linears(model) and isinstance(model.lm_head, PackedLinear)
+        step_kv = model.allocate_kv(pool.num_blocks, block_size)
+        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
+            dst.copy_(src)
+        meta = PagedAttentionMetadata.build([1] * len(batch), [t.num_tokens for t in tables],
+                                            [t.block_ids for t in tables], block_size, backend=backend)
+        assert fused_decode.can_fuse(model, meta) == (backend == "native")
+        results.append((model(new_tokens, step_kv, meta), step_kv))
+    (eager, eager_kv), (fused, fused_kv) = results
+    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(fused, eager, **close)
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
+        torch.testing.assert_close(a, b, **close)
+
+
+def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
+    from workers.models.tiny import write_tiny_model_folder
+
+    folder = write_tiny_model_folder(tmp_path / "m", "llama", seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("cpu", "native"):
+        engine = Engine(load_model(folder, torch.float32), EngineConfig(num_blocks=200, attention=backend))
+        assert engine.runner.backend == backend
+        outputs[backend] = [s.output_ids for s in engine.generate_batch(prompts(2), params)]
+        engine.check_integrity()
+    assert outputs["native"] == outputs["cpu"]

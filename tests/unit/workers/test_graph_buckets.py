@@ -1,0 +1,60 @@
+"""Decode buckets (workers/engine/graph_buckets.py): bucket choice, eager fallback beyond the largest
+bucket, and padding rows that leave the real rows' logits and K/V untouched (they write only the
+reserved dummy block), on the CPU path and the native one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from kernels.cpu import native
+from kernels.metadata import PagedAttentionMetadata
+from tests.required import unavailable
+from workers.engine.graph_buckets import batch_bucket, context_bucket, pad_decode_batch
+from workers.models.loader import load_model
+from workers.paged_step import run_step
+
+
+def test_bucket_choice_and_eager_fallback() -> None:
+    assert [batch_bucket(n) for n in (1, 3, 16, 17, 33, 64)] == [1, 4, 16, 24, 48, 64]
+    assert batch_bucket(65) is None
+    assert batch_bucket(5, (8, 2)) == 8
+    assert [context_bucket(n) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "native"])
+def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
+    from workers.models.tiny import write_tiny_model_folder
+
+    if backend == "native" and not native.load():
+        unavailable(str(native.unavailable_reason()))
+    model = load_model(write_tiny_model_folder(tmp_path / "m", "llama", seed=2), torch.float32).model
+    pool = BlockPool(40, 4)
+    dummy_block = pool.allocate(1)[0]
+    kv = model.allocate_kv(pool.num_blocks, 4)
+    gen = torch.Generator().manual_seed(0)
+    tables = [BlockTable(pool) for _ in range(3)]
+    run_step(model, kv, tables, [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 11, 2)])
+    for t in tables:
+        t.append(1)
+    meta = PagedAttentionMetadata.build([1] * 3, [t.num_tokens for t in tables], [t.block_ids for t in tables], 4,
+                                        backend=backend)
+    ids = torch.tensor([7, 8, 9])
+    before = [c.clone() for c in (*kv.keys, *kv.values)]
+    expected = model(ids, kv, meta)
+    after_eager = [c.clone() for c in (*kv.keys, *kv.values)]
+    for cache, saved in zip((*kv.keys, *kv.values), before, strict=True):
+        cache.copy_(saved)
+    padded = pad_decode_batch(ids, meta, batch_bucket(3) or 0, dummy_block, backend)
+    assert padded.input_ids.shape == (4,) and padded.num_real == 3
+    got = model(padded.input_ids, kv, padded.meta)[: padded.num_real]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for cache, eager in zip((*kv.keys, *kv.values), after_eager, strict=True):
+        real = torch.ones(cache.shape[0], dtype=torch.bool)
+        real[dummy_block] = False
+        # only the dummy block differs (up to the GEMM's rounding, which may depend on the row count)
+        torch.testing.assert_close(cache[real], eager[real], atol=1e-5, rtol=1e-5)

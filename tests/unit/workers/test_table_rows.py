@@ -1,0 +1,69 @@
+"""Persistent block-table rows (workers/engine/table_rows.py): a step's rows always equal the tables'
+block ids, a row is rewritten only when its table changed, and rows of collected tables are reused."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from kernels.metadata import PagedAttentionMetadata
+from workers.engine.table_rows import BlockTableRows
+
+
+def expected_rows(tables: list[BlockTable]) -> list[list[int]]:
+    width = max(len(t.block_ids) for t in tables)
+    return [t.block_ids + [0] * (width - len(t.block_ids)) for t in tables]
+
+
+def test_rows_follow_appends_forks_and_releases_rewriting_only_changed_tables() -> None:
+    pool = BlockPool(200, 4)
+    mirror = BlockTableRows(rows=2, width=2)  # small: both dimensions must grow
+    tables = [BlockTable(pool) for _ in range(3)]
+    for table, n in zip(tables, (3, 9, 14), strict=True):
+        table.append(n)
+    assert mirror.gather(tables).tolist() == expected_rows(tables)
+    assert mirror.num_rewrites == 3
+    assert mirror.gather(tables).tolist() == expected_rows(tables)  # nothing changed: nothing written
+    assert mirror.num_rewrites == 3
+    tables[0].append(1)  # 4 tokens: still one block
+    tables[1].append(4)  # 13 tokens: a fourth block
+    assert mirror.gather(tables).tolist() == expected_rows(tables)
+    assert mirror.num_rewrites == 4
+    child = tables[2].fork()
+    child.append(1)  # copy-on-write of the shared partial last block: the child's row changes
+    assert mirror.gather([*tables, child]).tolist() == expected_rows([*tables, child])
+    tables[1].release()
+    tables[1].append(5)
+    assert mirror.gather(tables).tolist() == expected_rows(tables)  # old entries past 2 blocks zeroed
+
+
+def test_rows_of_collected_tables_are_reused() -> None:
+    pool = BlockPool(64, 4)
+    mirror = BlockTableRows(rows=4, width=4)
+    first = [BlockTable(pool) for _ in range(4)]
+    for t in first:
+        t.append(5)
+    mirror.gather(first)
+    for t in first:
+        t.release()
+    del first, t
+    gc.collect()
+    second = [BlockTable(pool) for _ in range(4)]
+    for t in second:
+        t.append(2)
+    assert mirror.gather(second).tolist() == expected_rows(second)
+    assert mirror.rows.shape[0] == 4  # the four freed rows served the new tables
+
+
+def test_from_tables_equals_build_for_mixed_steps() -> None:
+    query_lens, context_lens, tables = [1, 1, 3, 6], [9, 1, 3, 14], [[7, 9, 4], [2], [5], [1, 3, 8, 6]]
+    built = PagedAttentionMetadata.build(query_lens, context_lens, tables, block_size=4)
+    padded = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
+    fast = PagedAttentionMetadata.from_tables(query_lens, context_lens, padded, block_size=4)
+    for name in ("query_start", "context_lens", "slot_mapping", "positions"):
+        assert torch.equal(getattr(fast, name), getattr(built, name)), name
+    assert fast.num_decodes == built.num_decodes == 2
+    assert fast.block_tables_list == [[7, 9, 4], [2], [5], [1, 3, 8, 6]]

@@ -1,0 +1,76 @@
+"""Captured decode steps on CUDA: one CUDA graph per (batch bucket, context bucket)
+(graph_buckets.py), replayed with the step's inputs copied into the graph's static buffers.
+
+Opt-in (`EngineConfig.cuda_graphs`) and NOT MEASURED: it was written on a host without a GPU, so
+neither its speed nor its correctness on a device has been checked yet; the bucketing and padding
+it relies on are unit-tested on the CPU (tests/unit/workers/test_graph_buckets.py).
+Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache.kv_storage import KVStorage
+from kernels.metadata import Backend, PagedAttentionMetadata
+from workers.engine.graph_buckets import DEFAULT_BATCH_BUCKETS, batch_bucket, context_bucket, pad_decode_batch
+from workers.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [bucket]
+    meta: PagedAttentionMetadata  # static tensors; context_lens_list holds the context bucket (grid size)
+    logits: torch.Tensor  # [bucket, V], written by each replay
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv: KVStorage, dummy_block: int, backend: Backend,
+                 buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> None:
+        """dummy_block: a block of `kv` no sequence ever owns (padding rows write there)."""
+        self.model, self.kv, self.dummy_block, self.backend = model, kv, dummy_block, backend
+        self.buckets = tuple(buckets)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+            logit_rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits [len(logit_rows), V] of an all-decode step, or None: run it eagerly."""
+        bucket = batch_bucket(meta.num_seqs, self.buckets)
+        if bucket is None or meta.num_decodes != meta.num_seqs:
+            return None
+        ctx = context_bucket(meta.max_context_len)
+        captured = self.graphs.get((bucket, ctx)) or self._capture(bucket, ctx)
+        padded = pad_decode_batch(input_ids, meta, bucket, self.dummy_block, self.backend)
+        static = captured.meta
+        captured.input_ids.copy_(padded.input_ids)
+        static.positions.copy_(padded.meta.positions)
+        static.slot_mapping.copy_(padded.meta.slot_mapping)
+        static.context_lens.copy_(padded.meta.context_lens)
+        width = padded.meta.block_tables.shape[1]
+        static.block_tables[:, :width].copy_(padded.meta.block_tables)
+        static.block_tables[:, width:] = self.dummy_block
+        captured.graph.replay()
+        return captured.logits[: meta.num_seqs][logit_rows]
+
+    def _capture(self, bucket: int, ctx: int) -> _Captured:
+        device = self.model.device
+        block_size = self.kv.block_size
+        tables = torch.full((bucket, ctx // block_size), self.dummy_block, dtype=torch.int32, device=device)
+        meta = PagedAttentionMetadata.from_tables([1] * bucket, [1] * bucket, tables, block_size, self.backend)
+        meta.context_lens_list = [ctx] * bucket  # Python-side sizes (the decode grid) fixed at the bucket
+        input_ids = torch.zeros(bucket, dtype=torch.long, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, the rotary table reaches its size
+            self.model(input_ids, self.kv, meta)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(input_ids, self.kv, meta)
+        captured = self.graphs[(bucket, ctx)] = _Captured(graph, input_ids, meta, logits)
+        return captured

@@ -1,0 +1,66 @@
+"""Batch-size buckets for captured decode steps (CUDA graphs; a compiled step would use the same).
+
+A captured step has fixed shapes, so decode batches are padded up to the nearest bucket, and a
+batch larger than the largest bucket runs eagerly. Padding rows are dummy sequences: token 0 at
+position 0, one context token, whose block table is the single `dummy_block` (a block the caller
+reserves and no sequence ever owns) and whose K/V slot is that block's first slot. They write and
+read only the dummy block, so real rows' results are those of the unpadded batch; their logits are
+dropped. Context lengths are bucketed too (powers of two), because a kernel's launch grid may
+depend on the longest context (kernels/triton/decode.py splits it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import Backend, PagedAttentionMetadata
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MIN_CONTEXT_BUCKET = 256
+
+
+def batch_bucket(batch: int, buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> int | None:
+    """The smallest bucket holding `batch` sequences; None: run eagerly (beyond the largest)."""
+    for size in sorted(buckets):
+        if size >= batch:
+            return size
+    return None
+
+
+def context_bucket(max_context: int) -> int:
+    """The power of two (at least MIN_CONTEXT_BUCKET) holding the step's longest context."""
+    bucket = MIN_CONTEXT_BUCKET
+    while bucket < max_context:
+        bucket *= 2
+    return bucket
+
+
+@dataclass
+class PaddedDecode:
+    input_ids: torch.Tensor  # [bucket] int64
+    meta: PagedAttentionMetadata  # bucket sequences, one new token each
+    num_real: int  # the first num_real rows are the batch's; the rest are dummies
+
+
+def pad_decode_batch(
+    input_ids: torch.Tensor, meta: PagedAttentionMetadata, bucket: int, dummy_block: int,
+    backend: Backend | None = None,
+) -> PaddedDecode:
+    """The decode step `meta` (every sequence one new token) padded with dummy rows to `bucket`."""
+    batch = meta.num_seqs
+    if meta.num_decodes != batch:
+        raise ValueError("only all-decode steps are padded to a bucket")
+    if bucket < batch:
+        raise ValueError(f"a bucket of {bucket} cannot hold {batch} sequences")
+    pad = bucket - batch
+    device = input_ids.device
+    tables = torch.zeros(bucket, meta.block_tables.shape[1], dtype=torch.int32, device=device)
+    tables[:batch] = meta.block_tables
+    tables[batch:, 0] = dummy_block
+    padded = PagedAttentionMetadata.from_tables(
+        [1] * bucket, [*meta.context_lens_list, *([1] * pad)], tables, meta.block_size, backend)
+    ids = torch.cat([input_ids, torch.zeros(pad, dtype=input_ids.dtype, device=device)])
+    return PaddedDecode(ids, padded, batch)

@@ -1,0 +1,67 @@
+"""The decode step of a Llama-family model on the native CPU ops (kernels/cpu/native): per layer
+four matmuls and four fused ops, no gather, no intermediate the eager path would not also make.
+
+Per layer, on a batch of B decode tokens (one per sequence), with the residual stream `residual`
+[B, H] fp32 updated in place:
+
+    qkv    = qkv_proj(normed)                        [B, (Hq + 2 Hkv) D]
+    rotary_store(qkv, ...)                           q, k rotated in place; k, v written at their slots
+    attn   = paged_decode(q view of qkv, caches)     [B, Hq, D], reading the caches in place
+    normed = add_rms_norm(residual, o_proj(attn))    residual += o; post-attention norm
+    normed = add_rms_norm(residual, down_proj(silu_mul(gate_up_proj(normed))))
+             with the NEXT layer's input norm (the last layer's residual add stands alone)
+
+The roundings are those of `DecoderLayer.forward` (the same dtype casts at the same points), so the
+tokens equal the eager path's (exactly in fp32 up to summation order; see tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache.kv_storage import KVStorage
+from kernels.cpu import native
+from kernels.metadata import PagedAttentionMetadata
+
+if TYPE_CHECKING:
+    from workers.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+def can_fuse(model: LlamaForCausalLM, meta: PagedAttentionMetadata) -> bool:
+    """Whether this step can run fused: every sequence decodes, on the native backend, a covered shape."""
+    c = model.config
+    return (meta.backend == "native" and meta.num_decodes == meta.num_seqs and model.device.type == "cpu"
+            and native.covers(c.head_dim, c.num_q_heads, c.num_kv_heads, model.dtype) and native.load())
+
+
+def decode_hidden(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """The fp32 hidden states [B, H] after the last layer (before the final norm) of a decode step;
+    writes each token's K/V. cos/sin: [B, 1, D] in the model dtype, as `RotaryTable.gather` gives."""
+    ops = torch.ops.tollway_cpu
+    layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+    c = model.config
+    batch = input_ids.shape[0]
+    cos, sin = cos.squeeze(1), sin.squeeze(1)
+    residual = model.embed_tokens(input_ids).float()  # [B, H], owned by this step
+    normed = ops.add_rms_norm(residual, None, layers[0].input_norm.weight, layers[0].input_norm.eps)
+    for i, layer in enumerate(layers):
+        k_cache, v_cache = kv.keys[layer.layer_index], kv.values[layer.layer_index]
+        qkv = layer.qkv_proj(normed)
+        ops.rotary_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, c.num_q_heads, c.num_kv_heads)
+        q = qkv[:, : c.q_size].view(batch, c.num_q_heads, c.head_dim)
+        attn = ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, layer.scale,
+                                layer.sliding_window or 0)
+        normed = ops.add_rms_norm(residual, layer.o_proj(attn.view(batch, -1)), layer.post_attention_norm.weight,
+                                  layer.post_attention_norm.eps)
+        down = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
+        if i + 1 < len(layers):
+            nxt = layers[i + 1].input_norm
+            normed = ops.add_rms_norm(residual, down, nxt.weight, nxt.eps)
+        else:
+            residual += down.float()
+    return residual
