@@ -13,7 +13,8 @@ exactly once through its `RequestMeter`, durably before the client's final byte.
 
 Lines are taken in batches (every line that arrived since the last read): a stream writes the SSE
 events of one batch in one write, so a client behind a busy loop gets several tokens per write
-instead of a write (and a wakeup) per token.
+instead of a write (and a wakeup) per token; the final line's events go out in a write of their
+own, after the usage row is committed, so the tokens before it never wait for that commit.
 """
 
 from __future__ import annotations
@@ -173,14 +174,17 @@ class Exchange:
                     chunks.append(self._events(line, opened))
                     if ended := "usage" in line:
                         break
-                chunk = b"".join(chunks)
-                transcript.append(chunk)
-                if ended:
+                final = chunks.pop() if ended else None
+                if chunks:  # the tokens before the last line reach the client now, not after the commit
+                    chunk = b"".join(chunks)
+                    transcript.append(chunk)
+                    await response.write(chunk)
+                if final is not None:
+                    transcript.append(final)
                     # Billed (with its stored response) before the client can see the end.
                     await self._bill("ok", url, (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))
-                    await response.write(chunk)
+                    await response.write(final)
                     break
-                await response.write(chunk)
                 lines = await stream.next_lines()
             else:
                 raise UpstreamBroken("the engine worker ended the stream early")
