@@ -163,11 +163,13 @@ def _answer(request: web.Request, body: Any, headers: Mapping[str, str],
     parsed = parse_generate(worker, body)
     request.app[BILLING_KEY].started(parsed.request_id, parsed.billing, owner)
     lines = _lines(worker, parsed.namespace, parsed.prompt, parsed.params)
-    return _emit(request, worker, parsed.request_id, parsed.namespace, lines, parsed.params.n, parsed.stream)
+    return _emit(request, worker, parsed.request_id, parsed.namespace, lines, parsed.params.n, parsed.stream,
+                 channel=owner is not None)
 
 
 async def _emit(request: web.Request, worker: FakeWorker, request_id: str, namespace: str,
-                lines: list[dict[str, Any]], choices: int, stream: bool) -> AsyncGenerator[list[dict[str, Any]]]:
+                lines: list[dict[str, Any]], choices: int, stream: bool,
+                channel: bool = False) -> AsyncGenerator[list[dict[str, Any]]]:
     joiner = None if stream else protocol.LineJoiner()  # as the real worker: all at the end
     worker.running.add(request_id)
     worker.max_running = max(worker.max_running, len(worker.running))
@@ -180,8 +182,11 @@ async def _emit(request: web.Request, worker: FakeWorker, request_id: str, names
                 usage = {**lines[-1]["usage"], "completion_tokens": sent}
                 line = {"index": 0, "token_ids": [], "text": "", "finish_reason": "abort", "usage": usage}
             elif sent == worker.fail_after_tokens:
-                if request.transport is not None:
-                    request.transport.abort()  # the worker "dies": no more bytes (on a channel: for all)
+                if request.transport is not None:  # the worker "dies": no more bytes (on a channel: for all)
+                    if channel:  # once the lines handed out leave: the channel's outbox writes them next turn
+                        asyncio.get_running_loop().call_soon(request.transport.abort)
+                    else:
+                        request.transport.abort()
                 died = True  # and keeps no usage
                 return
             elif worker.delay_s > 0:

@@ -15,11 +15,14 @@ from gateway.state import SETTINGS
 async def read_json(request: web.Request) -> Any:
     """The parsed body; over `client_max_size` → 413 (via aiohttp), not JSON → 400, not all
     received within `read_timeout_s` (a slow-loris client) → 408, and aiohttp closes the connection."""
-    try:
-        async with asyncio.timeout(request.app[SETTINGS].read_timeout_s):
-            raw = await request.read()
-    except TimeoutError as exc:
-        raise ApiError(408, "the request body was not received in time", code="request_timeout") from exc
+    if request.content.is_eof():  # all of it is here already (a small body comes with its headers): no wait
+        raw = await request.read()
+    else:
+        try:
+            async with asyncio.timeout(request.app[SETTINGS].read_timeout_s):
+                raw = await request.read()
+        except TimeoutError as exc:
+            raise ApiError(408, "the request body was not received in time", code="request_timeout") from exc
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

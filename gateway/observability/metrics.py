@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,23 +59,33 @@ class GatewayMetrics:
                                ["model"], registry=registry)
         self.live = LiveStats()
 
+        # Labelled children by (metric, label values): `labels()` validates and hashes its arguments
+        # on every call, several times per request; the label sets are bounded (see the module doc).
+        self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+        child = self._children.get((metric, values))
+        if child is None:
+            child = self._children[(metric, values)] = metric.labels(*values)
+        return child
+
     def request_finished(self, tenant: str, model: str, status: str, seconds: float) -> None:
         """One completion request answered (or refused); `status` as in the module doc."""
-        self.requests.labels(tenant, model, status).inc()
+        self._child(self.requests, tenant, model, status).inc()
         if model != UNKNOWN:
-            self.duration.labels(model).observe(seconds)
+            self._child(self.duration, model).observe(seconds)
         self.live.add_request(error=not status.startswith("2"))
 
     def billed(self, tenant: str, model: str, usage: dict[str, int], ttft_s: float | None,
                itl_s: float | None) -> None:
         """A usage row was written: its tokens (exactly what was billed) and its latencies."""
-        self.prompt_tokens.labels(tenant, model).inc(usage["prompt_tokens"])
-        self.cached_tokens.labels(tenant, model).inc(usage["cached_tokens"])
-        self.completion_tokens.labels(tenant, model).inc(usage["completion_tokens"])
+        self._child(self.prompt_tokens, tenant, model).inc(usage["prompt_tokens"])
+        self._child(self.cached_tokens, tenant, model).inc(usage["cached_tokens"])
+        self._child(self.completion_tokens, tenant, model).inc(usage["completion_tokens"])
         if ttft_s is not None:
-            self.ttft.labels(model).observe(ttft_s)
+            self._child(self.ttft, model).observe(ttft_s)
         if itl_s is not None:
-            self.itl.labels(model).observe(itl_s)
+            self._child(self.itl, model).observe(itl_s)
         self.live.add_usage(usage["prompt_tokens"], usage["cached_tokens"], usage["completion_tokens"], ttft_s)
 
 

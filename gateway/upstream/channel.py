@@ -3,13 +3,21 @@ per worker, many requests on it at once.
 
 Ownership: a `WorkerChannel` belongs to the pool's entry for one worker URL. It opens its
 connection on first use (concurrent first callers share the attempt) and again after the worker
-closed it; each `_Connection` owns its reader task and the queues of the requests it carries. When
-a connection ends, every request still on it gets `ChannelClosed`, at once.
+closed it; each `_Connection` owns its reader task, its `Outbox` (workers/wire/outbox.py: the frames
+of one loop turn leave as one message when the worker selected `BATCH_PROTOCOL`) and the
+`ChannelRequest`s it carries. When a connection ends, every request still on it gets
+`ChannelClosed`, at once.
+
+A `ChannelRequest` is passive: the reader task pushes its frames in, its owner takes every line that
+arrived so far with one `next_lines()` (a stream's several tokens are one SSE write). Nothing in it
+runs on its own, so cancelling a wait for it (aiohttp cancels the handler of a client that left)
+leaves the request on the worker intact, and whoever bills it reads on to its final line.
 
 Waits, and what bounds them:
 - opening a connection: `connect_timeout_s`;
-- sending a frame: `SEND_TIMEOUT_S` (a worker that stops reading fills the socket's buffer; the
-  request then fails as a closed channel, and the heartbeat ends the connection);
+- sending a frame: `SEND_TIMEOUT_S` per write of the outbox (a worker that stops reading fills the
+  socket's buffer; the requests of that write then fail as a closed channel, and the heartbeat ends
+  the connection);
 - closing: `CLOSE_TIMEOUT_S`;
 - waiting for a request's next lines: deliberately no limit of its own. A request may wait long
   in a busy engine's queue, or decode for minutes; what must not happen is waiting on a worker
@@ -25,12 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
 
 from workers.wire.channel import (
+    BATCH_PROTOCOL,
     MAX_FRAME_BYTES,
     AckFrame,
     BadFrame,
@@ -38,14 +48,14 @@ from workers.wire.channel import (
     ErrorFrame,
     GenerateFrame,
     LinesFrame,
-    decode_answer,
+    decode_answers,
 )
 from workers.wire.generate import GenerateBody
+from workers.wire.outbox import Outbox
 
 HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
 SEND_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
-_CLOSED = object()  # put on each waiting queue when the connection ends
 
 
 class ChannelClosed(Exception):
@@ -60,11 +70,63 @@ class ChannelRefused(Exception):
         self.status, self.message = status, message
 
 
+class ChannelRequest:
+    """One request's answer on one connection (see the module doc). Owned by whoever opened it;
+    the connection's reader only calls `push`."""
+
+    __slots__ = ("_items", "_waiter", "channel_id", "finished", "request_id")
+
+    def __init__(self, channel_id: int, request_id: str) -> None:
+        self.channel_id, self.request_id = channel_id, request_id
+        self.finished = False  # its usage line (or its refusal) was taken
+        self._items: deque[LinesFrame | Exception] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: LinesFrame | Exception) -> None:
+        """A frame from the worker, or the exception that ends the request (ChannelRefused, ChannelClosed)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_lines(self) -> list[dict[str, Any]] | None:
+        """Every line received since the last call (at least one), in order, the last batch ending
+        with the line carrying usage; None after that. Raises ChannelRefused or ChannelClosed."""
+        while True:
+            if self.finished:
+                return None
+            while not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            lines: list[dict[str, Any]] = []
+            while self._items and not self.finished:
+                item = self._items[0]
+                if isinstance(item, Exception):
+                    if lines:  # the lines before it first
+                        break
+                    if isinstance(item, ChannelRefused):  # answered: it ends here
+                        self._items.popleft()
+                        self.finished = True
+                    raise item  # a closed channel stays at the head: later reads see it too
+                self._items.popleft()
+                for line in item.lines:
+                    lines.append(line)
+                    if "usage" in line:
+                        self.finished = True
+                        break
+            if lines:
+                return lines
+
+
 class _Connection:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
-        self.waiting: dict[int, asyncio.Queue[Any]] = {}
+        self.requests: dict[int, ChannelRequest] = {}  # channel id -> request
         self.channel_ids: dict[str, int] = {}  # request_id (the body's) -> its id on this connection
+        self.outbox = Outbox(lambda data: self.ws.send_bytes(data), batched=ws.protocol == BATCH_PROTOCOL,
+                             timeout_s=lambda: SEND_TIMEOUT_S)
         self.reader = asyncio.create_task(self._read(), name="tollway-worker-channel")
 
     async def _read(self) -> None:
@@ -72,20 +134,37 @@ class _Connection:
             async for message in self.ws:
                 if message.type != aiohttp.WSMsgType.BINARY:
                     continue
-                frame = decode_answer(message.data)
-                queue = self.waiting.get(frame.id)
-                if queue is not None:  # else a late frame of a request that was given up
-                    queue.put_nowait(frame)
+                for frame in decode_answers(message.data):
+                    request = self.requests.get(frame.id)
+                    if request is None:  # a late frame of a request that was given up
+                        continue
+                    if isinstance(frame, ErrorFrame):
+                        request.push(ChannelRefused(frame.status, frame.message))
+                    else:
+                        request.push(frame)
         except (aiohttp.ClientError, BadFrame, ConnectionError):
             pass
         finally:
-            for queue in self.waiting.values():
-                queue.put_nowait(_CLOSED)
+            for request in self.requests.values():
+                request.push(ChannelClosed("the worker closed the channel"))
+            await self.outbox.close()
             await self.ws.close()
 
     @property
     def open(self) -> bool:
         return not self.ws.closed and not self.reader.done()
+
+    def send_generate(self, request: ChannelRequest, body: GenerateBody, headers: dict[str, str]) -> None:
+        """Queue the request's frame (it leaves with this loop turn's others); a failed write of it
+        fails the request as a closed channel."""
+        flush = self.outbox.put(GenerateFrame(request.channel_id, body, headers).encode())
+
+        def sent(done: asyncio.Future[BaseException | None]) -> None:
+            error = done.result()
+            if error is not None and not request.finished:
+                request.push(ChannelClosed(f"cannot send to the worker: {error!r}"))
+
+        flush.add_done_callback(sent)
 
 
 class WorkerChannel:
@@ -99,7 +178,10 @@ class WorkerChannel:
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._ids = itertools.count()
         self._acks: list[str] = []  # request ids whose usage rows are committed, sent in one frame per loop turn
-        self._ack_task: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connection is not None and self._connection.open
 
     async def _open(self) -> _Connection:
         connection = self._connection
@@ -110,58 +192,61 @@ class WorkerChannel:
                 try:
                     async with asyncio.timeout(self._connect_timeout_s):
                         ws = await self._session.ws_connect(self._url, max_msg_size=MAX_FRAME_BYTES, compress=0,
-                                                            heartbeat=HEARTBEAT_S, headers=self._headers)
+                                                            heartbeat=HEARTBEAT_S, headers=self._headers,
+                                                            protocols=(BATCH_PROTOCOL,))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise ChannelClosed(f"cannot open the channel: {exc!r}") from exc
                 self._connection = _Connection(ws)
             return self._connection
 
+    async def open_request(self, body: GenerateBody, headers: dict[str, str]) -> ChannelRequest:
+        """Send `body` (opening the connection if needed) and return its answer, to read with
+        `next_lines()` and end with `release()`. Raises ChannelClosed when the connection cannot
+        be opened. Once the connection is open, nothing here waits: the frame is queued at once."""
+        connection = await self._open()
+        request = ChannelRequest(next(self._ids), body["request_id"])
+        connection.requests[request.channel_id] = request
+        connection.channel_ids[request.request_id] = request.channel_id
+        connection.send_generate(request, body, headers)
+        return request
+
+    async def release(self, request: ChannelRequest) -> None:
+        """The owner is done with `request`: forget it, and stop it on the worker unless it ended
+        (its late lines are dropped)."""
+        connection = self._connection
+        if connection is None or connection.requests.get(request.channel_id) is not request:
+            return
+        del connection.requests[request.channel_id]
+        connection.channel_ids.pop(request.request_id, None)
+        if not request.finished:
+            await self._send_cancel(connection, request.channel_id)
+
     async def generate(self, body: GenerateBody, headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
         """The worker's lines for `body`, ending with the one carrying usage. Raises ChannelClosed
         or ChannelRefused. Closing the iterator before the end aborts the request on the worker."""
-        connection = await self._open()
-        request_id = next(self._ids)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        connection.waiting[request_id] = queue
-        connection.channel_ids[body["request_id"]] = request_id
-        finished = False
+        request = await self.open_request(body, headers)
         try:
-            try:
-                async with asyncio.timeout(SEND_TIMEOUT_S):
-                    await connection.ws.send_bytes(GenerateFrame(request_id, body, headers).encode())
-            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-                raise ChannelClosed(f"cannot send to the worker: {exc!r}") from exc
-            while not finished:
-                frame: LinesFrame | ErrorFrame | object = await queue.get()
-                if isinstance(frame, ErrorFrame):
-                    finished = True
-                    raise ChannelRefused(frame.status, frame.message)
-                if not isinstance(frame, LinesFrame):
-                    raise ChannelClosed("the worker closed the channel")
-                for line in frame.lines:
-                    finished = "usage" in line
+            while (lines := await request.next_lines()) is not None:
+                for line in lines:
                     yield line
         finally:
-            connection.waiting.pop(request_id, None)
-            connection.channel_ids.pop(body["request_id"], None)
-            if not finished:  # given up early: stop it on the worker (its late lines are dropped)
-                await self._send_cancel(connection, request_id)
+            await self.release(request)
 
     def acknowledge(self, request_id: str) -> None:
         """This request's usage row is committed: the worker may forget its usage. Acks of one loop
         turn share a frame. One lost with a closed channel only makes the worker offer the request
         as an orphan, whose row then already exists (usage_events.request_id is unique)."""
         if not self._acks:
-            self._ack_task = asyncio.get_running_loop().create_task(self._send_acks())
+            asyncio.get_running_loop().call_soon(self._send_acks)
         self._acks.append(request_id)
 
-    async def _send_acks(self) -> None:
+    def _send_acks(self) -> None:
         request_ids, self._acks = self._acks, []
         connection = self._connection
         if connection is None or not connection.open:
             return
-        with contextlib.suppress(aiohttp.ClientError, ConnectionError):
-            await connection.ws.send_bytes(AckFrame(request_ids).encode())
+        with contextlib.suppress(ConnectionResetError):
+            connection.outbox.put(AckFrame(request_ids).encode())
 
     async def cancel(self, request_id: str) -> bool:
         """The `cancel` verb for a request running on this channel (by the body's `request_id`): its
@@ -173,14 +258,14 @@ class WorkerChannel:
 
     @staticmethod
     async def _send_cancel(connection: _Connection, channel_id: int) -> bool:
+        """Queued behind the request's own frame (so it never overtakes it); True once written."""
         if not connection.open:
             return False
         try:
-            async with asyncio.timeout(SEND_TIMEOUT_S):
-                await connection.ws.send_bytes(CancelFrame(channel_id).encode())
-        except (aiohttp.ClientError, ConnectionError, TimeoutError):
-            return False  # the caller falls back to the HTTP cancel route
-        return True
+            flush = connection.outbox.put(CancelFrame(channel_id).encode())
+        except ConnectionResetError:
+            return False
+        return await asyncio.shield(flush) is None  # False: the caller falls back to the HTTP cancel route
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -191,3 +276,4 @@ class WorkerChannel:
             connection.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await connection.reader
+            await connection.outbox.close()

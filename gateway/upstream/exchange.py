@@ -10,6 +10,11 @@ exactly once through its `RequestMeter`, durably before the client's final byte.
 - a client that hangs up before the end: the worker is told to cancel, its final line gives the
   exact usage so far, billed with status `client_disconnected` (by a background task the app
   owns and awaits at shutdown: aiohttp may cancel the handler itself).
+
+Lines are taken in batches (every line that arrived since the last read): a stream writes the SSE
+events of one batch in one write, so a client behind a busy loop gets several tokens per write
+instead of a write (and a wakeup) per token; the final line's events go out in a write of their
+own, after the usage row is committed, so the tokens before it never wait for that commit.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ from gateway.observability.tracing import TRACING
 from gateway.openai.params import GenerationRequest
 from gateway.openai.sse import SSE_HEADERS, sse
 from gateway.state import BACKGROUND, POOL, ROUTER, SETTINGS, WRITER
-from gateway.upstream.detached import DetachedStream
-from gateway.upstream.pool import UpstreamBroken, UpstreamRejected, UpstreamUnavailable
+from gateway.upstream.stream import UpstreamBroken, UpstreamRejected, UpstreamStream, UpstreamUnavailable
 from workers.wire.generate import GenerateBody
 
 DRAIN_TIMEOUT_S = 10.0
@@ -67,8 +71,8 @@ class Exchange:
     claim: Claim | None
     tenant: str = "-"  # the metrics' tenant label
 
-    async def open(self) -> tuple[str, dict[str, Any], DetachedStream]:
-        """(worker url, first line, the rest): tries other workers until one starts streaming."""
+    async def open(self) -> tuple[str, list[dict[str, Any]], UpstreamStream]:
+        """(worker url, first lines, the rest): tries other workers until one starts streaming."""
         app = self.request.app
         pool, router = app[POOL], app[ROUTER]
         tried: set[str] = set()
@@ -80,20 +84,22 @@ class Exchange:
                 url = router.choose(self.namespace, self.prompt, loads)
                 if span is not None:
                     span.set_attribute("tollway.worker.url", url)
-            lines = DetachedStream(pool.stream(url, self.body))
+            stream = pool.stream(url, self.body)
             try:
-                return url, await anext(lines), lines
+                first = await stream.next_lines()
+                if first is not None:
+                    return url, first, stream
+                tried.add(url)
             except UpstreamUnavailable:
                 tried.add(url)
                 router.forget_worker(url)
             except UpstreamRejected as exc:
+                await stream.aclose()
                 raise ApiError(400, exc.message) from exc
-            except StopAsyncIteration:
-                tried.add(url)
             except asyncio.CancelledError:  # the client left before the first token: stop and bill
-                self._hand_off(url, lines)
+                self._hand_off(url, stream)
                 raise
-            await lines.aclose()
+            await stream.aclose()
         raise ApiError(503, f"no engine worker for '{self.model}' could take the request; retry shortly",
                        code="no_worker", headers={"Retry-After": "1"})
 
@@ -119,54 +125,68 @@ class Exchange:
                 self.meter.restart()
         raise ApiError(502, "engine workers failed mid-request on every attempt; retry later", code="worker_failed")
 
-    async def _collect(self, url: str, first: dict[str, Any], lines: DetachedStream) -> web.Response:
-        line: dict[str, Any] | None = first
+    async def _collect(self, url: str, first: list[dict[str, Any]], stream: UpstreamStream) -> web.Response:
+        lines: list[dict[str, Any]] | None = first
         handed_off = False
         try:
-            while line is not None:
-                self.meter.observe(line)
-                if _failed(line):
-                    await self._bill("upstream_error", url)
-                    raise ApiError(502, "the engine failed while generating; retry the request", code="engine_error")
-                self.builder.absorb(line)
-                if "usage" in line:
-                    body = orjson.dumps(self.builder.final(line["usage"]))
-                    await self._bill("ok", url, (200, "application/json", body))
-                    return web.Response(body=body, content_type="application/json")
-                line = await anext(lines, None)
+            while lines is not None:
+                for line in lines:
+                    self.meter.observe(line)
+                    if _failed(line):
+                        await self._bill("upstream_error", url)
+                        raise ApiError(502, "the engine failed while generating; retry the request",
+                                       code="engine_error")
+                    self.builder.absorb(line)
+                    if "usage" in line:
+                        body = orjson.dumps(self.builder.final(line["usage"]))
+                        await self._bill("ok", url, (200, "application/json", body))
+                        return web.Response(body=body, content_type="application/json")
+                lines = await stream.next_lines()
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
-            handed_off = self._hand_off(url, lines)
+            handed_off = self._hand_off(url, stream)
             raise
         finally:
             if not handed_off:
-                await lines.aclose()
+                await stream.aclose()
         raise UpstreamBroken("the engine worker ended the request without a result")
 
     # -- streamed -------------------------------------------------------------------------------------
     async def respond_stream(self) -> web.StreamResponse:
-        url, first, lines = await self.open()
+        url, first, stream = await self.open()
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self.request)
         transcript: list[bytes] = []  # what the client got: stored for Idempotency-Key replays
-        start = self.builder.stream_start()
-        line: dict[str, Any] | None = first
+        start = self.builder.stream_start()  # the opening events (the Responses API's), before the first line
+        lines: list[dict[str, Any]] | None = first
         handed_off = False
         try:
-            while line is not None:
-                self.meter.observe(line)
-                if _failed(line):
-                    raise UpstreamBroken("the engine failed while generating")
-                chunk, start = start + self.builder.stream_line(line), b""
-                if "usage" in line:
-                    chunk += self.builder.stream_end(line["usage"], self.params.include_usage)
+            while lines is not None:
+                chunks: list[bytes] = []
+                ended = False
+                for line in lines:
+                    self.meter.observe(line)
+                    if _failed(line):
+                        if chunks:  # what came before the failure still reaches the client
+                            await response.write(b"".join(chunks))
+                        raise UpstreamBroken("the engine failed while generating")
+                    chunk, start = start + self.builder.stream_line(line), b""
+                    if "usage" in line:
+                        chunk += self.builder.stream_end(line["usage"], self.params.include_usage)
+                    chunks.append(chunk)
+                    if ended := "usage" in line:
+                        break
+                final = chunks.pop() if ended else None
+                if chunks:  # the tokens before the last line reach the client now, not after the commit
+                    chunk = b"".join(chunks)
                     transcript.append(chunk)
+                    await response.write(chunk)
+                if final is not None:
+                    transcript.append(final)
                     # Billed (with its stored response) before the client can see the end.
                     await self._bill("ok", url, (200, SSE_HEADERS["Content-Type"], b"".join(transcript)))
-                    await response.write(chunk)
+                    await response.write(final)
                     break
-                transcript.append(chunk)
-                await response.write(chunk)
-                line = await anext(lines, None)
+                lines = await stream.next_lines()
             else:
                 raise UpstreamBroken("the engine worker ended the stream early")
         except UpstreamBroken as exc:
@@ -175,37 +195,36 @@ class Exchange:
             with contextlib.suppress(ConnectionResetError):
                 await response.write(sse(error.body()))
         except ConnectionResetError:  # the client hung up, seen on a write
-            handed_off = self._hand_off(url, lines)
+            handed_off = self._hand_off(url, stream)
             return response
         except asyncio.CancelledError:  # the client hung up, and aiohttp cancels the handler
-            handed_off = self._hand_off(url, lines)
+            handed_off = self._hand_off(url, stream)
             raise
         finally:
             if not handed_off:
-                await lines.aclose()
+                await stream.aclose()
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         return response
 
-    def _hand_off(self, url: str, lines: DetachedStream) -> bool:
-        """The client is gone: a background task (owned by the app) now owns `lines` and bills."""
+    def _hand_off(self, url: str, stream: UpstreamStream) -> bool:
+        """The client is gone: a background task (owned by the app) now owns `stream` and bills."""
         tasks = self.request.app[BACKGROUND]
-        task = asyncio.get_running_loop().create_task(self._after_hangup(url, lines))
+        task = asyncio.get_running_loop().create_task(self._after_hangup(url, stream))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         return True
 
-    async def _after_hangup(self, url: str, lines: DetachedStream) -> None:
+    async def _after_hangup(self, url: str, stream: UpstreamStream) -> None:
         """Ask the worker to stop, read on to its final line (the exact usage), bill the request."""
         try:
             await self.request.app[POOL].cancel(url, self.body["request_id"])
             async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                async for line in lines:
-                    self.meter.observe(line)
-                    if "usage" in line:
-                        break
+                while (lines := await stream.next_lines()) is not None:
+                    for line in lines:
+                        self.meter.observe(line)
         except (TimeoutError, UpstreamBroken):
             pass  # billed from the tokens received so far
         finally:
-            await lines.aclose()
+            await stream.aclose()
         await self._bill("client_disconnected", url)

@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import SpanKind, Tracer, set_span_in_context
 
-from gateway.upstream.channel import ChannelClosed, ChannelRefused, WorkerChannel
+from gateway.upstream.channel import WorkerChannel
+from gateway.upstream.stream import UpstreamStream
 from workers.wire.generate import GenerateBody
 from workers.wire.telemetry import PROPAGATOR
 from workers.wire.tokenizer import TextTokenizer
@@ -36,23 +37,6 @@ log = logging.getLogger("tollway.gateway")
 TOKENIZER_TIMEOUT_S = 30.0
 WRONG_SECRET = ("the worker refused this gateway's credential: give gateways and workers the same "
                 "TOLLWAY_WORKER_SECRET (or one shared $TOLLWAY_HOME/worker.secret)")
-
-
-class UpstreamUnavailable(Exception):
-    """The worker could not be reached or refused before streaming anything: safe to retry elsewhere."""
-
-
-class UpstreamBroken(Exception):
-    """The worker failed after the stream began: the request cannot be retried transparently."""
-
-
-class UpstreamRejected(Exception):
-    """The worker answered 4xx: the request itself is bad (retrying elsewhere cannot help)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -174,13 +158,9 @@ class WorkerPool:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("could not cancel %s on %s: %r", request_id, url, exc)
 
-    async def stream(self, url: str, body: GenerateBody) -> AsyncGenerator[dict[str, Any], None]:
-        """The worker's lines for one generate request, ending with the line carrying usage.
-
-        Raises UpstreamUnavailable (nothing streamed yet: retry elsewhere), UpstreamRejected (4xx),
-        or UpstreamBroken (the stream broke after it began). Closing the iterator early aborts the
-        request on the worker.
-        """
+    def stream(self, url: str, body: GenerateBody) -> UpstreamStream:
+        """The worker's answer to one generate request, sent on its first read (see UpstreamStream
+        for its errors). `aclose()` it: before the end, that aborts the request on the worker."""
         worker = self.workers[url]
         headers: dict[str, str] = {}
         span = None
@@ -189,38 +169,12 @@ class WorkerPool:
                 "http.request.method": "POST", "server.address": url, "tollway.worker.url": url})
             PROPAGATOR.inject(headers, context=set_span_in_context(span))
         worker.in_flight += 1
-        try:
-            # aclosing: leaving early closes the worker's response now (which aborts the request there)
-            async with contextlib.aclosing(self._lines(worker, body, headers)) as lines:
-                async for line in lines:
-                    yield line
-        except (UpstreamUnavailable, UpstreamBroken, UpstreamRejected) as exc:
-            if span is not None:
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            raise
-        finally:
-            worker.in_flight -= 1
-            if span is not None:
-                span.end()
 
-    async def _lines(self, worker: WorkerState, body: GenerateBody,
-                     headers: dict[str, str]) -> AsyncGenerator[dict[str, Any], None]:
-        started = False
-        try:
-            # aclosing: leaving early sends the worker an abort for this request
-            async with contextlib.aclosing(self._channels[worker.url].generate(body, headers)) as lines:
-                async for line in lines:
-                    started = True
-                    yield line
-                    if "usage" in line:
-                        return
-        except ChannelRefused as exc:
-            if 400 <= exc.status < 500:
-                raise UpstreamRejected(exc.status, exc.message) from exc
-            raise (UpstreamBroken if started else UpstreamUnavailable)(f"worker answered {exc.status}") from exc
-        except ChannelClosed as exc:
-            self.mark_down(worker, str(exc))
-            raise (UpstreamBroken if started else UpstreamUnavailable)(str(exc)) from exc
+        def done() -> None:
+            worker.in_flight -= 1
+
+        return UpstreamStream(self._channels[url], body, headers, span, lambda reason: self.mark_down(worker, reason),
+                              done)
 
     async def recent_spans(self, url: str, trace_ids: list[str]) -> list[dict[str, Any]]:
         """The worker's finished spans of these traces (its ring buffer); [] when it has none or fails."""

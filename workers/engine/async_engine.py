@@ -112,8 +112,7 @@ class AsyncEngine:
             if (any(d.usage is not None for d in deltas) or not self.engine.has_work()
                     or now - self._info_time >= INFO_INTERVAL_S):
                 self._info, self._info_time = self.engine.info(), now
-            for delta in deltas:
-                self._deliver(delta)
+            self._deliver_step(deltas)
 
     def _apply(self, command: str, payload: Any) -> None:
         if command == "add":
@@ -153,6 +152,23 @@ class AsyncEngine:
             loop, hook = self._finished_hook
             loop.call_soon_threadsafe(hook, last)
 
+    def _deliver_step(self, deltas: list[Delta]) -> None:
+        """One step's deltas: one wakeup of each caller's loop for all of them (not one per delta),
+        so every stream of a step is answered in the same turn of that loop, and its channel sends
+        them together (workers/wire/outbox.py)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
+        for delta in deltas:
+            if delta.usage is not None:
+                self._finished(delta)
+            with self._streams_lock:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None and delta.usage is not None:
+                    del self._streams[delta.request_id]
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.deltas, delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, delta: Delta) -> None:
         if delta.usage is not None:
             self._finished(delta)
@@ -162,3 +178,8 @@ class AsyncEngine:
                 del self._streams[delta.request_id]
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
+    for deltas, delta in items:
+        deltas.put_nowait(delta)

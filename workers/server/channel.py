@@ -6,6 +6,10 @@ On this channel a request is one frame each way (more for a stream), all multipl
 connection per gateway process and worker. Both the real worker (workers/server/app.py) and its
 test double (ops/fake_worker.py) serve it through `serve_channel`, with their own `answer` and
 `cancel`. A closed channel aborts every request still running on it.
+
+Frames go out through an `Outbox` (workers/wire/outbox.py): when the caller offered
+`BATCH_PROTOCOL`, everything answered during one turn of the loop (one engine step's lines for every
+request on the channel) is one message, not one per request and token.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from aiohttp import web
 
 from workers.server.billing import WorkerBilling
 from workers.wire.channel import (
+    BATCH_PROTOCOL,
     MAX_FRAME_BYTES,
     AckFrame,
     BadFrame,
@@ -29,7 +34,9 @@ from workers.wire.channel import (
     GenerateFrame,
     LinesFrame,
     decode_request,
+    decode_requests,
 )
+from workers.wire.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +66,15 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel,
                         billing: WorkerBilling) -> web.WebSocketResponse:
     """Serve one channel (the app must have run `setup_channels`) until either side closes it.
     Billed requests it carries are owned by it until then (workers/server/billing.py)."""
-    ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, compress=False)
+    ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, compress=False, protocols=(BATCH_PROTOCOL,))
     await ws.prepare(request)
+    batched = ws.ws_protocol == BATCH_PROTOCOL
+    closing: set[asyncio.Task[bool]] = set()
+
+    def write_failed(_: BaseException) -> None:  # the gateway is gone: end the channel (and its requests)
+        closing.add(asyncio.ensure_future(ws.close()))
+
+    outbox = Outbox(ws.send_bytes, batched=batched, on_error=write_failed)
     owner = billing.open_channel()
     # Owned by this handler: channel id -> its task (cancelled when the channel closes) and the
     # body's request_id (what `cancel` names).
@@ -71,32 +85,38 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel,
         async for message in ws:
             if message.type != aiohttp.WSMsgType.BINARY:
                 continue
-            try:
-                frame = decode_request(message.data)
-            except BadFrame as exc:
-                await _send(ws, ErrorFrame(None, 400, str(exc)))
-                continue
-            if isinstance(frame, GenerateFrame):
-                if frame.id in running:
-                    await _send(ws, ErrorFrame(frame.id, 400, "id already in use"))
-                    continue
-                task = asyncio.create_task(_serve(ws, frame, answer, owner))
-                running[frame.id] = task
-                if isinstance(frame.body, dict) and isinstance(frame.body.get("request_id"), str):
-                    request_ids[frame.id] = frame.body["request_id"]
+            frames: list[GenerateFrame | CancelFrame | AckFrame | BadFrame]
+            if batched:
+                frames = decode_requests(message.data)
+            else:
+                try:
+                    frames = [decode_request(message.data)]
+                except BadFrame as exc:
+                    frames = [exc]
+            for frame in frames:
+                if isinstance(frame, BadFrame):
+                    _send(outbox, ErrorFrame(None, 400, str(frame)))
+                elif isinstance(frame, GenerateFrame):
+                    if frame.id in running:
+                        _send(outbox, ErrorFrame(frame.id, 400, "id already in use"))
+                        continue
+                    task = asyncio.create_task(_serve(outbox, frame, answer, owner))
+                    running[frame.id] = task
+                    if isinstance(frame.body, dict) and isinstance(frame.body.get("request_id"), str):
+                        request_ids[frame.id] = frame.body["request_id"]
 
-                def forget(_: object, channel_id: Any = frame.id) -> None:
-                    running.pop(channel_id, None)
-                    request_ids.pop(channel_id, None)
+                    def forget(_: object, channel_id: Any = frame.id) -> None:
+                        running.pop(channel_id, None)
+                        request_ids.pop(channel_id, None)
 
-                task.add_done_callback(forget)
-            elif isinstance(frame, AckFrame):
-                billing.acknowledge(frame.request_ids)
-            elif isinstance(frame, CancelFrame) and frame.id in running:
-                if frame.id in request_ids:
-                    cancel(request_ids[frame.id])
-                else:  # refused before it ran: nothing to bill, stop the task
-                    running[frame.id].cancel()
+                    task.add_done_callback(forget)
+                elif isinstance(frame, AckFrame):
+                    billing.acknowledge(frame.request_ids)
+                elif isinstance(frame, CancelFrame) and frame.id in running:
+                    if frame.id in request_ids:
+                        cancel(request_ids[frame.id])
+                    else:  # refused before it ran: nothing to bill, stop the task
+                        running[frame.id].cancel()
     finally:
         request.app[OPEN_CHANNELS].discard(ws)
         for task in list(running.values()):
@@ -105,34 +125,36 @@ async def serve_channel(request: web.Request, answer: Answer, cancel: Cancel,
             await asyncio.gather(*running.values(), return_exceptions=True)
         finally:  # even when this handler is cancelled too (the caller vanished)
             billing.close_channel(owner)  # what its gateway did not acknowledge is now an orphan
+            await outbox.close()
     return ws
 
 
-async def _serve(ws: web.WebSocketResponse, frame: GenerateFrame, answer: Answer, owner: object) -> None:
+async def _serve(outbox: Outbox, frame: GenerateFrame, answer: Answer, owner: object) -> None:
     lines: AsyncGenerator[list[dict[str, Any]], None] | None = None
     try:
         try:
             lines = answer(frame.body, frame.headers, owner)
             batch: list[dict[str, Any]] | None = await anext(lines)
         except ValueError as exc:
-            await _send(ws, ErrorFrame(frame.id, 400, str(exc)))
+            _send(outbox, ErrorFrame(frame.id, 400, str(exc)))
             return
         while batch is not None:
             if batch:
-                await _send(ws, LinesFrame(frame.id, batch))
+                _send(outbox, LinesFrame(frame.id, batch))
+                if outbox.over_high_water():  # the caller reads slower than the engine answers
+                    await outbox.drained()
             batch = await anext(lines, None)
     except ConnectionResetError:  # the channel closed: the request is aborted below
         pass
     except Exception:  # never a silent hang for the caller
         log.exception("channel request %r failed", frame.id)
         with contextlib.suppress(ConnectionResetError):
-            await _send(ws, ErrorFrame(frame.id, 500, "the worker failed"))
+            _send(outbox, ErrorFrame(frame.id, 500, "the worker failed"))
     finally:
         if lines is not None:
             await lines.aclose()  # before the end, this aborts the request
 
 
-async def _send(ws: web.WebSocketResponse, frame: LinesFrame | ErrorFrame) -> None:
-    if ws.closed:
-        raise ConnectionResetError("the channel is closed")
-    await ws.send_bytes(frame.encode())
+def _send(outbox: Outbox, frame: LinesFrame | ErrorFrame) -> None:
+    """Queue a frame (it leaves with the others of this loop turn); ConnectionResetError once closed."""
+    outbox.put(frame.encode())

@@ -13,6 +13,13 @@ requests (`id`, unique on its channel):
                                       carrying `usage` ends N
                       ErrorFrame     {"id": N, "error": {"status": 400, "message": ...}}  N refused
 
+Batched messages (negotiated): a caller that opens the channel with the websocket subprotocol
+`BATCH_PROTOCOL`, and a worker that selects it, may each put several frames in one message, as a
+JSON array of frame objects (what one side produced during one turn of its event loop: every
+line of one engine step for all the requests on the channel, or every request a gateway admitted
+in one turn). A message holding one frame is the plain object either way, so a caller that does not
+offer the subprotocol sees exactly the unbatched protocol.
+
 `cancel` is the same verb as `POST /internal/requests/{request_id}/cancel`: the request stops and
 its answer still ends with a final line (finish_reason `abort`) carrying the usage so far. A
 caller that gave up on a request sends it too and drops the late lines. A closed channel cancels
@@ -27,6 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+BATCH_PROTOCOL = "tollway.frames.batched"
+"""The websocket subprotocol under which a message may hold a JSON array of frames."""
 
 MAX_FRAME_BYTES = 64 * 2**20
 """Largest frame either side accepts: a joined (non-streamed) answer holds a whole completion."""
@@ -85,10 +95,23 @@ class ErrorFrame:
         return orjson.dumps({"id": self.id, "error": {"status": self.status, "message": self.message}})
 
 
-def decode_request(data: bytes) -> GenerateFrame | CancelFrame | AckFrame:
-    """A caller's frame, as the worker reads it; BadFrame for anything else."""
+def encode_message(frames: list[bytes]) -> bytes:
+    """Encoded frames as one message: the frame itself when alone, else a JSON array of them (only
+    under `BATCH_PROTOCOL`)."""
+    if len(frames) == 1:
+        return frames[0]
+    return b"[" + b",".join(frames) + b"]"
+
+
+def _loads(data: bytes) -> Any:
     try:
-        frame = orjson.loads(data)
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise BadFrame("bad channel frame") from exc
+
+
+def _request_frame(frame: Any) -> GenerateFrame | CancelFrame | AckFrame:
+    try:
         op = frame["op"]
         if op == ACK:
             request_ids = frame["request_ids"]
@@ -96,7 +119,7 @@ def decode_request(data: bytes) -> GenerateFrame | CancelFrame | AckFrame:
                 raise TypeError("request_ids must be strings")
             return AckFrame(request_ids)
         request_id = frame["id"]
-    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+    except (TypeError, KeyError) as exc:
         raise BadFrame("bad channel frame") from exc
     if op == GENERATE:
         headers = frame.get("headers") or {}
@@ -106,13 +129,43 @@ def decode_request(data: bytes) -> GenerateFrame | CancelFrame | AckFrame:
     raise BadFrame(f"unknown channel op {op!r}")
 
 
-def decode_answer(data: bytes) -> LinesFrame | ErrorFrame:
-    """A worker's frame, as the caller reads it; BadFrame for anything else."""
+def _answer_frame(frame: Any) -> LinesFrame | ErrorFrame:
     try:
-        frame = orjson.loads(data)
         if "error" in frame:
             error = frame["error"]
             return ErrorFrame(frame.get("id"), int(error["status"]), str(error["message"]))
         return LinesFrame(frame.get("id"), list(frame["lines"]))
-    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as exc:
+    except (TypeError, KeyError, ValueError) as exc:
         raise BadFrame("bad channel frame") from exc
+
+
+def decode_request(data: bytes) -> GenerateFrame | CancelFrame | AckFrame:
+    """A caller's frame, as the worker reads it; BadFrame for anything else."""
+    return _request_frame(_loads(data))
+
+
+def decode_requests(data: bytes) -> list[GenerateFrame | CancelFrame | AckFrame | BadFrame]:
+    """A caller's message under `BATCH_PROTOCOL`: its frames in order, a BadFrame in place of each
+    one that cannot be read (the message as a whole is one BadFrame when it is not JSON)."""
+    try:
+        message = _loads(data)
+    except BadFrame as exc:
+        return [exc]
+    out: list[GenerateFrame | CancelFrame | AckFrame | BadFrame] = []
+    for frame in message if isinstance(message, list) else [message]:
+        try:
+            out.append(_request_frame(frame))
+        except BadFrame as exc:
+            out.append(exc)
+    return out
+
+
+def decode_answer(data: bytes) -> LinesFrame | ErrorFrame:
+    """A worker's frame, as the caller reads it; BadFrame for anything else."""
+    return _answer_frame(_loads(data))
+
+
+def decode_answers(data: bytes) -> list[LinesFrame | ErrorFrame]:
+    """A worker's message under `BATCH_PROTOCOL`: its frames in order; BadFrame for anything else."""
+    message = _loads(data)
+    return [_answer_frame(frame) for frame in message] if isinstance(message, list) else [_answer_frame(message)]
