@@ -21,6 +21,7 @@ from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
+from workers.engine.admission import Policy
 from workers.engine.detokenize import OutputText
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
@@ -65,6 +66,7 @@ class EngineConfig:
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
+    scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
 
 
 class Engine:
@@ -81,7 +83,8 @@ class Engine:
         self.cache = KVCacheManager(num_blocks, config.block_size)
         self.runner = ModelRunner(model, model.allocate_kv(num_blocks, config.block_size),
                                   select_backend(model.device, config.attention))
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
+                                   config.scheduling)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
@@ -94,14 +97,15 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, namespace: str = "default",
-        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
+        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None, weight: float = 1.0,
     ) -> Sequence:
         """Queue a request; ValueError (the caller's 4xx) for an unusable one. With `trace`, its
         phases become spans under `trace.context` (when the engine has a tracer)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1)
+        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1,
+                       weight=weight)
         seq.generator = self._generator(params, 0)
         self.sequences[request_id] = seq
         self._requests[request_id] = _Request(seq, params.n)
@@ -264,6 +268,8 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.preemptions,
+            "scheduling": self.scheduler.policy,
+            "tenants": self.scheduler.tenant_stats(),
         }
 
     def all_blocks_free_or_evictable(self) -> bool:

@@ -70,6 +70,7 @@ class Sequence:
     pending_forks: int = 0  # choices still to fork from this one when its prompt is computed (n > 1)
     # prefix-match length found when last ordered in the waiting queue (a scheduling hint only)
     match_hint: int = 0
+    weight: float = 1.0  # the tenant's share of service (workers/engine/fairness.py); set by the gateway
 
     @property
     def prompt_len(self) -> int:
