@@ -14,7 +14,7 @@ from accounting.db import create_db_engine, current_revision, downgrade_database
 from accounting.models import Base
 
 EXPECTED_COLUMNS = {
-    "tenants": {"id", "name", "disabled", "rpm", "tpm", "max_concurrent", "monthly_token_budget",
+    "tenants": {"id", "name", "disabled", "rpm", "tpm", "max_concurrent", "monthly_token_budget", "weight",
                 "created_at", "updated_at"},
     "api_keys": {"id", "tenant_id", "name", "key_hash", "prefix", "created_at", "revoked_at", "expires_at",
                  "rpm", "tpm"},
