@@ -1,21 +1,24 @@
 """The order in which one step offers waiting sequences for admission, and whom preemption takes:
 first come, first served (`fcfs`) or tenant-fair (`fair`, the default; TOLLWAY_SCHEDULING).
 
-Both: a sequence that has waited longer than `max_wait_s` is aged and goes ahead of every
-non-aged one, first come, first served (no request waits without bound, whatever its tenant or
-priority); an aged sequence that does not fit the free blocks holds back everyone behind it, so
-that the blocks that free up go to it.
+A sequence that has waited longer than `max_wait_s` is aged: no request waits without bound.
 
-fcfs (the engine before issue 25): interactive before batch, then the longest cached prefix,
-then arrival; the first sequence that does not fit holds back the queue. Preemption takes the
-newest running batch sequence (the newest interactive one only when no batch one runs).
+fcfs (the engine before issue 25): aged sequences first, first come, first served; then
+interactive before batch, then the longest cached prefix, then arrival; the first sequence that
+does not fit holds back the queue. Preemption takes the newest running batch sequence (the
+newest interactive one only when no batch one runs).
 
-fair: interactive before batch, then the tenant with the smallest virtual token counter
+fair: interactive before batch (an aged batch sequence counts as interactive: aging lifts the
+priority, not the tenant's turn, so a flood that waits long does not turn back into first come,
+first served), then the tenant with the smallest virtual token counter
 (workers/engine/fairness.py; on a tie, the tenant with fewer sequences running: a newcomer lifted to
-the smallest counter goes first), then within the tenant the longest cached prefix, then arrival.
-The counters move as sequences are admitted (their prompt is charged), so the choice is made
-again for each admission. A sequence that does not fit holds back only its own tenant for the
-rest of the step: a smaller request of another tenant is still admitted. Preemption takes from
+the smallest counter goes first), then within the tenant its aged sequences first, then the
+longest cached prefix, then arrival. The counters move as sequences are admitted (their prompt is
+charged), so the choice is made again for each admission. A sequence that does not fit holds
+back only its own tenant for the rest of the step: a smaller request of another tenant is still
+admitted; except an aged one of a tenant with nothing running (starved, e.g. a request too big
+for the gaps that others keep filling), which holds back everyone until it fits. A backlogged
+tenant cannot otherwise starve: its counter stays put while the others' grow. Preemption takes from
 the tenant furthest ahead (largest counter): batch first, then that tenant's newest sequence.
 Neither ever preempts a sequence already placed in the step's batch (the scheduler's `exclude`).
 """
@@ -58,9 +61,8 @@ class AdmissionOrder:
 
     def _tenant_key(self, tenant: str) -> tuple:
         head = self._queues[tenant][-1]
-        if self.aged(head):
-            return (0, head.arrival_order)
-        return (1, head.priority, self.vtc.counter(tenant), self._running[tenant], head.arrival_order)
+        priority = Priority.INTERACTIVE if self.aged(head) else head.priority
+        return (priority, self.vtc.counter(tenant), self._running[tenant], head.arrival_order)
 
     def next(self) -> Sequence | None:
         if not self._queues:
@@ -74,7 +76,7 @@ class AdmissionOrder:
 
     def refused(self, seq: Sequence) -> bool:
         """`seq` did not fit the free blocks: True when nothing more is admitted this step."""
-        if self.policy == "fcfs" or self.aged(seq):
+        if self.policy == "fcfs" or (self.aged(seq) and not self._running[seq.namespace]):
             return True
         self._queues.pop(seq.namespace, None)  # the rest of its tenant waits for the next step
         return False

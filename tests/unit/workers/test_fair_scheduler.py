@@ -122,16 +122,17 @@ def test_a_newly_arriving_tenant_is_served_next_but_banks_no_idle_time() -> None
     assert abs(new_since - old_since) <= vtc_bound(sched, 32)
 
 
-def test_aging_still_beats_fairness_and_priority() -> None:
+def test_aging_lifts_a_batch_request_over_interactive_work_without_jumping_tenants() -> None:
     sched = scheduler("fair")
     flood = lambda: request("flood", 8, 64)  # noqa: E731
     late = request("late", 8, 4, priority=Priority.BATCH)
-    sched.vtc.charge("late", input_tokens=10**6)  # far ahead of everyone: fairness alone would never pick it
     sched.add(late)
     for _ in range(20):
         keep_backlogged(sched, "flood", flood)
         step(sched)
-    assert late.block_table is None and late.output_len == 0  # batch sits out while interactive work runs
+    # batch sits out while interactive work runs, though its tenant is the one furthest behind
+    assert late.block_table is None and late.output_len == 0
+    assert sched.vtc.counter("late") < sched.vtc.counter("flood")
     late.arrival_time = time.monotonic() - sched.max_wait_s - 1  # it has now waited past max_wait_s
     admitted: list[Sequence] = []
     for _ in range(200):
@@ -140,6 +141,20 @@ def test_aging_still_beats_fairness_and_priority() -> None:
         if late in admitted:
             break
     assert admitted[0] is late  # no flood request was admitted before it
+
+
+def test_aged_requests_of_a_flood_do_not_turn_fair_back_into_first_come_first_served() -> None:
+    sched = Scheduler(KVCacheManager(64, 8), max_batch_tokens=64, policy="fair", max_wait_s=0.0)  # all aged
+    big = lambda: request("big", 96, 48)  # noqa: E731
+    small = lambda: request("small", 8, 4)  # noqa: E731
+    for _ in range(40):
+        sched.add(big())
+    for _ in range(1500):
+        keep_backlogged(sched, "big", big)
+        keep_backlogged(sched, "small", small)
+        step(sched)
+    gap = abs(sched.vtc.weighted_service("big") - sched.vtc.weighted_service("small"))
+    assert gap <= vtc_bound(sched, 96)
 
 
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
