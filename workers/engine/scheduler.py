@@ -5,7 +5,8 @@ unfinished prefills in chunks. Waiting sequences are then admitted in the order 
 policy (workers/engine/admission.py): `fair` (default) serves the tenant with the smallest virtual
 token counter (workers/engine/fairness.py), interactive before batch; `fcfs` is interactive before
 batch, then longest cached prefix, then arrival. Under both, a sequence that has waited longer
-than `max_wait_s` goes ahead of every non-aged one (aging: no request waits without bound).
+than `max_wait_s` is aged (no request waits without bound): under fcfs it goes ahead of every
+non-aged one, under fair it counts as interactive.
 Admission matches the prompt in the radix tree (hit/miss counted once per admission, not per
 attempt), locks the matched path and allocates blocks only for the rest. Blocks come and go only
 through the cache facade (`cache.manager.KVCacheManager`).
