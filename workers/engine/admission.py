@@ -37,8 +37,9 @@ POLICIES: tuple[Policy, ...] = ("fcfs", "fair")
 
 
 class AdmissionOrder:
-    """One step's candidates, best first: `next()` until None; `refused(seq)` after a candidate
-    did not fit tells whether to stop the step's admissions (True) or go on with the others."""
+    """One step's candidates, best first: `next()` until None; `admitted(seq)` after a candidate
+    was admitted; `refused(seq)` after one did not fit tells whether to stop the step's admissions
+    (True) or go on with the others."""
 
     def __init__(self, waiting: Iterable[Sequence], running: Iterable[Sequence], policy: Policy,
                  vtc: VirtualTokenCounter, now: float, max_wait_s: float) -> None:
@@ -73,6 +74,10 @@ class AdmissionOrder:
         if not queue:
             del self._queues[tenant]
         return seq
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` now runs (its tenant's count of running sequences goes up)."""
+        self._running[seq.namespace] += 1
 
     def refused(self, seq: Sequence) -> bool:
         """`seq` did not fit the free blocks: True when nothing more is admitted this step."""

@@ -167,6 +167,8 @@ class Scheduler:
                 if order.refused(seq):
                     break  # fcfs, or an aged sequence: it keeps its place, nobody jumps it for blocks
                 continue  # fair: only its own tenant waits for the next step
+            if admitted:
+                order.admitted(seq)
             budget -= admitted
         return batch.ordered()
 
