@@ -28,6 +28,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -92,7 +93,7 @@ class Tenant(Base):
     """A customer: quotas (None = unlimited) apply to all of its keys."""
 
     __tablename__ = "tenants"
-    __table_args__ = _non_negative(*QUOTA_FIELDS)
+    __table_args__ = (*_non_negative(*QUOTA_FIELDS), CheckConstraint("weight > 0", name="weight_positive"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(TENANT_NAME_MAX_LENGTH), unique=True, nullable=False)
@@ -101,6 +102,8 @@ class Tenant(Base):
     tpm: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrent: Mapped[int | None] = mapped_column(BigInteger)
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    # share of an engine's service when tenants contend (workers/engine/fairness.py): 2 gets twice 1's
+    weight: Mapped[float] = mapped_column(Float, nullable=False, default=1.0, server_default=text("1"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
 

@@ -8,6 +8,7 @@ at once) but never commits or rolls back. Invalid input raises a subclass of `Ac
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -85,10 +86,13 @@ class AuthRecord:
     tenant_tpm: int | None = None
     key_rpm: int | None = None
     key_tpm: int | None = None
+    weight: float = 1.0  # the tenant's scheduling weight, sent with each of its requests to the worker
 
 
 MAX_QUOTA = 2**63 - 1
 """Quotas are BIGINT columns."""
+MAX_WEIGHT = 1000.0
+"""The largest scheduling weight: a tenant may get at most that many times a weight-1 tenant's service."""
 
 
 def _check_quota(field: str, value: object) -> int | None:
@@ -99,6 +103,15 @@ def _check_quota(field: str, value: object) -> int | None:
     if not 0 <= value <= MAX_QUOTA:
         raise InvalidQuotaError(f"{field} must be between 0 and {MAX_QUOTA}, got {value}")
     return value
+
+
+def check_weight(value: object) -> float:
+    """A tenant's scheduling weight: a number in (0, MAX_WEIGHT]; InvalidQuotaError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidQuotaError(f"weight must be a number, got {value!r}")
+    if not 0 < value <= MAX_WEIGHT:
+        raise InvalidQuotaError(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {value}")
+    return float(value)
 
 
 def check_tenant_name(name: object) -> str:
@@ -117,16 +130,17 @@ def _check_aware(field: str, value: datetime | None) -> datetime | None:
 
 def create_tenant(
     session: Session, name: str, *, rpm: int | None = None, tpm: int | None = None,
-    max_concurrent: int | None = None, monthly_token_budget: int | None = None,
+    max_concurrent: int | None = None, monthly_token_budget: int | None = None, weight: float = 1.0,
 ) -> Tenant:
-    """Create a tenant; quotas left at None are unlimited."""
+    """Create a tenant; quotas left at None are unlimited; `weight` is its scheduling weight."""
     check_tenant_name(name)
     quotas = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent,
               "monthly_token_budget": monthly_token_budget}
     checked = {field: _check_quota(field, value) for field, value in quotas.items()}
+    weight = check_weight(weight)
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise TenantExistsError(f"tenant {name!r} exists already")
-    tenant = Tenant(name=name, disabled=False, **checked)
+    tenant = Tenant(name=name, disabled=False, weight=weight, **checked)
     session.add(tenant)
     try:
         session.flush()
@@ -151,11 +165,11 @@ def get_tenant(session: Session, name: str) -> Tenant:
 def update_tenant(
     session: Session, name: str, *, rpm: QuotaUpdate = None, tpm: QuotaUpdate = None,
     max_concurrent: QuotaUpdate = None, monthly_token_budget: QuotaUpdate = None,
-    disabled: bool | None = None,
+    disabled: bool | None = None, weight: float | None = None,
 ) -> Tenant:
-    """Change some quotas (or `disabled`) of a tenant.
+    """Change some quotas (or `disabled`, or the scheduling `weight`) of a tenant.
 
-    For each field: None leaves it unchanged, an int sets it, `UNLIMITED` removes the limit.
+    For each quota: None leaves it unchanged, an int sets it, `UNLIMITED` removes the limit.
     """
     updates: dict[str, Any] = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent,
                                "monthly_token_budget": monthly_token_budget}
@@ -166,8 +180,11 @@ def update_tenant(
             checked[field] = None
         elif value is not None:
             checked[field] = _check_quota(field, value)
+    new_weight = None if weight is None else check_weight(weight)
     for field, value in checked.items():
         setattr(tenant, field, value)
+    if new_weight is not None:
+        tenant.weight = new_weight
     if disabled is not None:
         tenant.disabled = bool(disabled)
     session.flush()
@@ -273,18 +290,18 @@ def authenticate(session: Session, key_hash: str, now: datetime | None = None) -
     row = session.execute(
         select(ApiKey.id, ApiKey.prefix, ApiKey.expires_at, ApiKey.rpm, ApiKey.tpm,
                Tenant.id, Tenant.name, Tenant.rpm, Tenant.tpm, Tenant.max_concurrent,
-               Tenant.monthly_token_budget)
+               Tenant.monthly_token_budget, Tenant.weight)
         .join(Tenant, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None), Tenant.disabled.is_(False),
                or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now))
     ).first()
     if row is None:
         return None
-    key_id, prefix, expires_at, key_rpm, key_tpm, tenant_id, tenant_name, rpm, tpm, concurrent, budget = row
+    key_id, prefix, expires_at, key_rpm, key_tpm, tenant_id, tenant_name, rpm, tpm, concurrent, budget, weight = row
     return AuthRecord(tenant_id=tenant_id, tenant_name=tenant_name, key_id=key_id, key_prefix=prefix,
                       rpm=_stricter(rpm, key_rpm), tpm=_stricter(tpm, key_tpm), max_concurrent=concurrent,
                       monthly_token_budget=budget, expires_at=expires_at, tenant_rpm=rpm, tenant_tpm=tpm,
-                      key_rpm=key_rpm, key_tpm=key_tpm)
+                      key_rpm=key_rpm, key_tpm=key_tpm, weight=weight)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -304,6 +321,7 @@ def tenant_to_dict(tenant: Tenant) -> dict[str, Any]:
     """A tenant as JSON-ready data (admin API)."""
     data: dict[str, Any] = {"id": tenant.id, "name": tenant.name, "disabled": tenant.disabled}
     data.update({field: getattr(tenant, field) for field in QUOTA_FIELDS})
+    data["weight"] = tenant.weight
     data.update(created_at=_iso(tenant.created_at), updated_at=_iso(tenant.updated_at))
     return data
 

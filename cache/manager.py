@@ -11,6 +11,7 @@ prompt locks the matched path, so those blocks cannot be evicted while the seque
 A sequence's life through the facade:
   peek               prompt tokens the tree would serve now (a scheduling hint; changes nothing)
   match_and_lock     a new table on the matched, locked blocks (+ a copy of a partly matching block)
+  count_match        count a match in the hit/miss stats (when match_and_lock was told not to)
   can_grow / grow    room for the next tokens (copy-on-write of a shared last block included)
   fork               a child table sharing every block (parallel sampling, n > 1)
   commit             offer computed whole blocks to the tree while the sequence still runs
@@ -65,7 +66,7 @@ class KVCacheManager:
         """Tokens `match_and_lock` would serve from whole blocks now; no stats, no LRU touch."""
         return self.tree.peek(namespace, tokens)
 
-    def match_and_lock(self, namespace: str, tokens: Sequence[int]) -> PrefixHit:
+    def match_and_lock(self, namespace: str, tokens: Sequence[int], count: bool = True) -> PrefixHit:
         """The longest cached prefix of `tokens` (never their last token) in a new table.
 
         The table holds one reference on each matched block (locked: not evictable until
@@ -73,8 +74,11 @@ class KVCacheManager:
         block is copied into one of the table's own (the tree's block stays as it is) and its
         first k tokens count as cached; the copy runs before the step writes anything, so its
         source is intact even if this very allocation evicted it.
+
+        `count=False` leaves the namespace's hit/miss stats alone: a caller that may give the table
+        back at once (the admission did not fit) counts with `count_match` once it keeps it.
         """
-        match = self.tree.match(namespace, tokens)
+        match = self.tree.match(namespace, tokens, count)
         partial = self.tree.match_partial_block(namespace, tokens, match)
         self.tree.lock(match.handle)
         block_ids, cached_len, copies = list(match.block_ids), match.cached_len, []
@@ -85,6 +89,11 @@ class KVCacheManager:
             copies = [(source, block_ids[-1])]
         table = BlockTable(self.pool, block_ids, cached_len)
         return PrefixHit(table, cached_len, match.cached_len // self.block_size, copies)
+
+    def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
+        """Add a match (num_tokens looked up, the first cached_len served from whole cached blocks)
+        to the namespace's hit/miss stats."""
+        self.tree.count_match(namespace, num_tokens, cached_len)
 
     # -- growth ---------------------------------------------------------------------------------
     def can_grow(self, table: BlockTable, num_new_tokens: int) -> bool:

@@ -65,18 +65,24 @@ class RadixPrefixTree:
         pool.set_evictor(self.evict)
 
     # -- lookups ------------------------------------------------------------------------------
-    def match(self, namespace: str, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of whole blocks, never covering the last token."""
+    def match(self, namespace: str, tokens: Sequence[int], count: bool = True) -> MatchResult:
+        """Longest cached prefix of whole blocks, never covering the last token. `count`: add it to
+        the namespace's hit/miss stats now (otherwise the caller does, with `count_match`)."""
         tokens = list(tokens)
-        stats = self.stats.setdefault(namespace, NamespaceStats())
         max_blocks = (len(tokens) - 1) // self.block_size
         node, num_blocks, block_ids = self._walk(namespace, tokens, max_blocks)
         if node is not None:
             self._touch(node)
         cached_len = num_blocks * self.block_size
-        stats.hit_tokens += cached_len
-        stats.miss_tokens += len(tokens) - cached_len
+        if count:
+            self.count_match(namespace, len(tokens), cached_len)
         return MatchResult(cached_len, block_ids, node)
+
+    def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
+        """Count a match of num_tokens tokens whose first cached_len were cached (hit/miss stats)."""
+        stats = self.stats.setdefault(namespace, NamespaceStats())
+        stats.hit_tokens += cached_len
+        stats.miss_tokens += num_tokens - cached_len
 
     def match_partial_block(self, namespace: str, tokens: Sequence[int], match: MatchResult) -> tuple[int, int] | None:
         """After `match`, a cached block whose first k tokens (0 < k < block_size) continue the

@@ -77,6 +77,12 @@ def _quota_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def _weight_option(default: float | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--weight", type=click.FloatRange(min=0, min_open=True), default=default,
+                        help="Scheduling weight: the tenant's share of an engine's service when tenants contend "
+                             "(2 gets twice what 1 gets)." + (" [default: 1]" if default else ""))
+
+
 def _time(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M")
 
@@ -93,15 +99,16 @@ def tenants() -> None:
 @tenants.command("create")
 @click.argument("name")
 @_quota_options
+@_weight_option(1.0)
 def tenants_create(name: str, rpm: int | None, tpm: int | None, max_concurrent: int | None,
-                   monthly_token_budget: int | None) -> None:
-    """Create a tenant with optional quotas (unlimited when left out)."""
+                   monthly_token_budget: int | None, weight: float) -> None:
+    """Create a tenant with optional quotas (unlimited when left out) and scheduling weight."""
     from accounting.tenants import create_tenant
 
     with _session() as session:
         tenant = create_tenant(session, name, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent,
-                               monthly_token_budget=monthly_token_budget)
-        click.echo(f"Created tenant {tenant.name} (id {tenant.id}).")
+                               monthly_token_budget=monthly_token_budget, weight=weight)
+        click.echo(f"Created tenant {tenant.name} (id {tenant.id}, weight {tenant.weight:g}).")
 
 
 @tenants.command("list")
@@ -111,11 +118,11 @@ def tenants_list() -> None:
 
     with _session() as session:
         rows = list_tenants(session)
-    table = Table("id", "name", "status", "rpm", "tpm", "max concurrent", "monthly tokens", "created",
+    table = Table("id", "name", "status", "rpm", "tpm", "max concurrent", "monthly tokens", "weight", "created",
                   caption="times in UTC")
     for t in rows:
         table.add_row(str(t.id), escape(t.name), "disabled" if t.disabled else "enabled", _limit(t.rpm),
-                      _limit(t.tpm), _limit(t.max_concurrent), _limit(t.monthly_token_budget),
+                      _limit(t.tpm), _limit(t.max_concurrent), _limit(t.monthly_token_budget), f"{t.weight:g}",
                       _time(t.created_at))
     Console().print(table)
 
@@ -125,23 +132,26 @@ def tenants_list() -> None:
 @_quota_options
 @click.option("--unlimited", "unlimited", multiple=True, type=click.Choice(QUOTA_OPTIONS),
               help="Remove this limit (repeatable).")
-def tenants_update(name: str, unlimited: tuple[str, ...], **quotas: int | None) -> None:
-    """Change some quotas of a tenant; the others stay as they are."""
+@_weight_option(None)
+def tenants_update(name: str, unlimited: tuple[str, ...], weight: float | None, **quotas: int | None) -> None:
+    """Change some quotas or the scheduling weight of a tenant; the others stay as they are."""
     from accounting.tenants import UNLIMITED, update_tenant
 
     changes: dict[str, Any] = {field: value for field, value in quotas.items() if value is not None}
+    if weight is not None:
+        changes["weight"] = weight
     for option in unlimited:
         field = option.replace("-", "_")
         if field in changes:
             raise click.UsageError(f"--{option} and --unlimited {option} contradict each other")
         changes[field] = UNLIMITED
     if not changes:
-        raise click.UsageError("nothing to update: give a quota option or --unlimited FIELD")
+        raise click.UsageError("nothing to update: give a quota option, --weight or --unlimited FIELD")
     with _session(invalidates=True) as session:
         tenant = update_tenant(session, name, **changes)
         click.echo(f"Updated tenant {tenant.name}: rpm {_limit(tenant.rpm)}, tpm {_limit(tenant.tpm)}, "
                    f"max concurrent {_limit(tenant.max_concurrent)}, "
-                   f"monthly tokens {_limit(tenant.monthly_token_budget)}.")
+                   f"monthly tokens {_limit(tenant.monthly_token_budget)}, weight {tenant.weight:g}.")
 
 
 @tenants.command("disable")

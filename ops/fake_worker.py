@@ -97,6 +97,8 @@ class FakeWorker:
             "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
             "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},
             "finished": dict(self.finished), "running": len(self.running), "waiting": 0, "preemptions": 0,
+            "scheduling": "fair", "tenants": {ns: {"counter": 0.0, "weight": 1.0, "input_tokens": 0, "output_tokens": 0,
+                                                   "waiting": 0, "running": 0} for ns in self.cache},
             "fake": {"max_running": self.max_running, "requests": self.received},  # the double's own
         }
 

@@ -46,7 +46,7 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
-                        attention=settings.attention)
+                        attention=settings.attention, scheduling=settings.scheduling)
 
 
 def run_generate(

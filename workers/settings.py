@@ -29,6 +29,9 @@ class WorkerSettings(TracingSettings):
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int = 1024
     """Token budget of one engine step (prefill chunks + decodes)."""
+    scheduling: Literal["fair", "fcfs"] = "fair"
+    """Admission order when requests wait: fair (per-tenant virtual token counters, workers/engine/fairness.py;
+    interactive before batch) or fcfs (interactive before batch, then longest cached prefix, then arrival)."""
     attention: Literal["auto", "cpu", "native", "triton", "reference"] = "auto"
     """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
     (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with

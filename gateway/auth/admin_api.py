@@ -36,8 +36,16 @@ async def _in_transaction(request: web.Request, work: Callable[[Session], T], *,
     return result
 
 
+def _weight(body: dict[str, Any]) -> float:
+    """The body's scheduling weight (a number above 0; 400 naming `weight` otherwise)."""
+    try:
+        return tenants.check_weight(body["weight"])
+    except tenants.InvalidQuotaError as exc:
+        raise invalid(str(exc), "weight") from exc
+
+
 def _quota_updates(body: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(body) - {*QUOTAS, "disabled"}
+    unknown = set(body) - {*QUOTAS, "disabled", "weight"}
     if unknown:
         raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
     updates: dict[str, Any] = {}
@@ -48,6 +56,8 @@ def _quota_updates(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(body["disabled"], bool):
             raise invalid("'disabled' must be a boolean", "disabled")
         updates["disabled"] = body["disabled"]
+    if "weight" in body:
+        updates["weight"] = _weight(body)
     return updates
 
 
@@ -60,14 +70,15 @@ async def list_tenants(request: web.Request) -> web.Response:
 
 @admin
 async def create_tenant(request: web.Request) -> web.Response:
-    """Create a tenant: {name, rpm?, tpm?, max_concurrent?, monthly_token_budget?}."""
+    """Create a tenant: {name, rpm?, tpm?, max_concurrent?, monthly_token_budget?, weight?=1}."""
     body = await read_json_object(request)
-    unknown = set(body) - {"name", *QUOTAS}
+    unknown = set(body) - {"name", "weight", *QUOTAS}
     if unknown:
         raise invalid(f"unknown fields: {', '.join(sorted(unknown))}", sorted(unknown)[0])
     quotas = {field: body.get(field) for field in QUOTAS}
+    weight = _weight(body) if "weight" in body else 1.0
     row = await _in_transaction(request, lambda s: tenants.tenant_to_dict(
-        tenants.create_tenant(s, tenants.check_tenant_name(body.get("name")), **quotas)))
+        tenants.create_tenant(s, tenants.check_tenant_name(body.get("name")), **quotas, weight=weight)))
     return web.json_response(row, status=201)
 
 
@@ -80,7 +91,7 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 @admin
 async def update_tenant(request: web.Request) -> web.Response:
-    """Change quotas (null = unlimited) or disable/enable: {rpm?, tpm?, ..., disabled?}."""
+    """Change quotas (null = unlimited), the scheduling weight, or disable/enable: {rpm?, tpm?, ..., weight?, disabled?}."""
     name, updates = request.match_info["name"], _quota_updates(await read_json_object(request))
     row = await _in_transaction(
         request, lambda s: tenants.tenant_to_dict(tenants.update_tenant(s, name, **updates)), invalidates=True)

@@ -40,10 +40,11 @@ class Caller:
     key_id: int | None
     record: AuthRecord | None = None  # a tenant key's record (its quotas); None for a batch line
     batch_id: str | None = None  # a batch runner's line: billed at the batch price, no interactive quotas
+    weight: float = 1.0  # the tenant's scheduling weight (sent to the worker with each request)
 
     @classmethod
     def of_key(cls, record: AuthRecord) -> Caller:
-        return cls(record.tenant_id, record.tenant_name, record.key_id, record)
+        return cls(record.tenant_id, record.tenant_name, record.key_id, record, weight=record.weight)
 
 
 CALLER = web.RequestKey("caller", Caller)
@@ -64,7 +65,8 @@ def tenant_or_batch_line(handler: Handler) -> Handler:
         with request.app[TRACING].span("gateway.auth"):
             batch = await batch_caller(request)
             if batch is not None:
-                caller = Caller(batch.tenant_id, batch.tenant_name, batch.key_id, batch_id=batch.batch_id)
+                caller = Caller(batch.tenant_id, batch.tenant_name, batch.key_id, batch_id=batch.batch_id,
+                                weight=batch.weight)
             else:
                 caller = Caller.of_key(await request.app[AUTH].authenticate(bearer_token(request)))
         request[CALLER] = caller

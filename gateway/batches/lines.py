@@ -34,6 +34,7 @@ class BatchCaller:
     tenant_id: int
     key_id: int | None
     tenant_name: str = ""
+    weight: float = 1.0  # the tenant's scheduling weight
 
 
 async def batch_caller(request: web.Request) -> BatchCaller | None:
@@ -55,6 +56,6 @@ async def batch_caller(request: web.Request) -> BatchCaller | None:
                            code="batch_not_running")
         if batch.endpoint != request.path:
             raise ApiError(400, f"batch {batch_id} runs {batch.endpoint}, not {request.path}", code="wrong_endpoint")
-        return BatchCaller(batch.id, batch.tenant_id, batch.key_id, tenant.name)
+        return BatchCaller(batch.id, batch.tenant_id, batch.key_id, tenant.name, tenant.weight)
 
     return await in_transaction(request, lookup)

@@ -129,6 +129,25 @@ def _workers(workers: list[dict[str, Any]]) -> str:
     return f'<table id="workers">{head}{"".join(rows)}</table>'
 
 
+def _scheduling(workers: list[dict[str, Any]]) -> str:
+    """Each worker's tenants as its fair scheduler sees them (workers/engine/fairness.py), furthest behind first."""
+    rows = []
+    for w in workers:
+        info = w.get("info") or {}
+        tenants = info.get("tenants") or {}
+        for tenant, s in sorted(tenants.items(), key=lambda item: item[1].get("counter", 0)):
+            rows.append(
+                f'<tr class="tenant-scheduling"><td>{escape(w["url"])}</td><td>{escape(tenant)}</td>'
+                f'<td>{escape(str(info.get("scheduling", "–")))}</td><td>{_number(s.get("weight"), 2, "")}</td>'
+                f'<td>{_number(s.get("counter"), 0, "")}</td><td>{s.get("waiting", 0)}</td><td>{s.get("running", 0)}</td>'
+                f'<td>{s.get("input_tokens", 0):,}</td><td>{s.get("output_tokens", 0):,}</td></tr>')
+    if not rows:
+        return '<p class="muted" id="scheduling-empty">No tenant has been served by a worker yet.</p>'
+    head = ("<tr><th>worker</th><th>tenant</th><th>policy</th><th>weight</th><th>virtual tokens</th><th>waiting</th>"
+            "<th>running</th><th>input tokens</th><th>output tokens</th></tr>")
+    return f'<table id="scheduling">{head}{"".join(rows)}</table>'
+
+
 def _tenants(month: str, rows: list[dict[str, Any]]) -> str:
     if not rows:
         return f'<p class="muted" id="tenants-empty">No usage in {escape(month)} yet.</p>'
@@ -191,6 +210,7 @@ def _traces(data: DashboardData) -> str:
 
 def panel(data: DashboardData) -> str:
     return (f"<h2>This gateway, live</h2>{_tiles(data)}<h2>Workers</h2>{_workers(data.workers)}"
+            f"<h2>Tenants on the workers (fair scheduling)</h2>{_scheduling(data.workers)}"
             f"<h2>Usage this month ({escape(data.month)}, every tenant)</h2>{_tenants(data.month, data.tenants)}"
             f"<h2>Recent traces</h2>{_traces(data)}")
 

@@ -104,7 +104,8 @@ def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime,
     gateway has nothing to forward before the end, and a line per token costs it a wakeup and a
     parse each. Logprobs keep the per-token lines, whose texts set the legacy `text_offset`s exactly
     as when streamed. `billing` is what the worker keeps with the usage until this gateway has
-    committed the usage row (gateway/billing/reconcile.py bills it if the gateway dies first)."""
+    committed the usage row (gateway/billing/reconcile.py bills it if the gateway dies first). `weight`
+    is the tenant's scheduling weight (the worker's fair scheduler divides its service by it)."""
     params = parsed.params
     sampling = {**params.sampling, "max_tokens": parsed.max_tokens}
     if params.logprobs is not None:
@@ -113,7 +114,8 @@ def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime,
                         "batch_id": caller.batch_id, "started_at": started_at.isoformat(), "route": route}
     return generate_body(parsed.request_id, namespace_of(caller), parsed.prompt, sampling,
                          "batch" if caller.batch_id is not None else "interactive",
-                         params.stream or params.logprobs is not None, billing, params.grammar)
+                         params.stream or params.logprobs is not None, billing, params.grammar,
+                         caller.weight)
 
 
 def namespace_of(caller: Caller) -> str:

@@ -14,13 +14,13 @@ from accounting.db import create_db_engine, current_revision, downgrade_database
 from accounting.models import Base
 
 EXPECTED_COLUMNS = {
-    "tenants": {"id", "name", "disabled", "rpm", "tpm", "max_concurrent", "monthly_token_budget",
+    "tenants": {"id", "name", "disabled", "rpm", "tpm", "max_concurrent", "monthly_token_budget", "weight",
                 "created_at", "updated_at"},
     "api_keys": {"id", "tenant_id", "name", "key_hash", "prefix", "created_at", "revoked_at", "expires_at",
                  "rpm", "tpm"},
     "usage_events": {"id", "request_id", "tenant_id", "key_id", "model", "prompt_tokens", "cached_tokens",
                      "completion_tokens", "status", "finish_reason", "ttft_ms", "latency_ms", "started_at",
-                     "finished_at", "batch_id"},
+                     "finished_at", "batch_id", "route"},
     "prices": {"id", "model", "input_per_mtok", "cached_input_per_mtok", "output_per_mtok", "batch_discount",
                "effective_from", "effective_to"},
     "idempotency_keys": {"id", "tenant_id", "key", "request_hash", "request_id", "status_code", "content_type",

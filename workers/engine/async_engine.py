@@ -53,7 +53,7 @@ class AsyncEngine:
     # -- callers' side ----------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, namespace: str = "default",
-        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
+        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None, weight: float = 1.0,
     ) -> AsyncGenerator[Delta, None]:
         self.engine.validate_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -61,7 +61,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_ids, params, namespace, priority, trace)))
+        self._commands.put(("add", (request_id, prompt_ids, params, namespace, priority, trace, weight)))
         finished = False
         try:
             while not finished:

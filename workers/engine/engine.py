@@ -23,6 +23,7 @@ from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine import grammar
 from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.admission import Policy
 from workers.engine.detokenize import OutputText
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
@@ -70,6 +71,7 @@ class EngineConfig:
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
     cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
+    scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
 
 
 class Engine:
@@ -92,7 +94,8 @@ class Engine:
         kv = model.allocate_kv(num_blocks + graphs, config.block_size)
         self.runner = ModelRunner(model, kv, backend,
                                   DecodeGraphs(model, kv, num_blocks, backend) if graphs else None)
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
+                                   config.scheduling)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)
@@ -107,14 +110,15 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, namespace: str = "default",
-        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None,
+        priority: Priority = Priority.INTERACTIVE, trace: TraceParent | None = None, weight: float = 1.0,
     ) -> Sequence:
         """Queue a request; ValueError (the caller's 4xx) for an unusable one. With `trace`, its
         phases become spans under `trace.context` (when the engine has a tracer)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1)
+        seq = Sequence(request_id, list(prompt_ids), params, namespace, priority, pending_forks=params.n - 1,
+                       weight=weight)
         seq.generator = self._generator(params, 0)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
@@ -291,6 +295,8 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.preemptions,
+            "scheduling": self.scheduler.policy,
+            "tenants": self.scheduler.tenant_stats(),
         }
 
     def all_blocks_free_or_evictable(self) -> bool:

@@ -74,6 +74,7 @@ class Sequence:
     # the grammar state after output_ids (an xgrammar GrammarMatcher; workers/engine/grammar.py),
     # None when the output is unconstrained. Preemption keeps output_ids, so it keeps this too.
     matcher: Any = None
+    weight: float = 1.0  # the tenant's share of service (workers/engine/fairness.py); set by the gateway
 
     @property
     def prompt_len(self) -> int:

@@ -1,35 +1,43 @@
 """Continuous batching over the prefix cache: which sequences run which tokens in the next step.
 
 Each step has a token budget. Running sequences come first: decodes (one token each), then
-unfinished prefills in chunks. Waiting sequences are admitted in order of priority (interactive
-before batch), then longest cached prefix, then arrival; a sequence that has waited longer than
-`max_wait_s` goes ahead of every non-aged one (aging: no request waits without bound). Admission
-matches the prompt in the radix tree, locks the matched path and allocates blocks only for the
-rest. Blocks come and go only through the cache facade (`cache.manager.KVCacheManager`).
+unfinished prefills in chunks. Waiting sequences are then admitted in the order of the scheduling
+policy (workers/engine/admission.py): `fair` (default) serves the tenant with the smallest virtual
+token counter (workers/engine/fairness.py), interactive before batch; `fcfs` is interactive before
+batch, then longest cached prefix, then arrival. Under both, a sequence that has waited longer
+than `max_wait_s` is aged (no request waits without bound): under fcfs it goes ahead of every
+non-aged one, under fair it counts as interactive.
+Admission matches the prompt in the radix tree (hit/miss counted once per admission, not per
+attempt), locks the matched path and allocates blocks only for the rest. Blocks come and go only
+through the cache facade (`cache.manager.KVCacheManager`).
 
 Batch priority yields: while any interactive sequence is running or waiting, batch sequences
 (running or waiting) sit out the step, keeping their blocks, unless they have aged past
 `max_wait_s`. Steps then cost what the interactive work alone costs, so a batch in progress adds
 to an interactive request's latency at most the remainder of the step it arrived during.
 
-When blocks run out, the newest running batch sequence is preempted by recompute (the newest
-interactive one only when no batch sequence runs): its computed whole blocks go into the prefix
-tree (so recomputing mostly hits the cache), its blocks are released, and it waits again with its
-output kept. A sequence that cannot fit even alone finishes with `length` (handed to the engine
-by `take_finished`). Finished and aborted sequences insert prompt + output into the tree, then
-release.
+When blocks run out, a running sequence not yet placed in this step's batch is preempted by
+recompute (admission.py says which: batch first; under fair, from the tenant furthest ahead): its
+computed whole blocks go into the prefix tree (so recomputing mostly hits the cache), its blocks
+are released, and it waits again with its output kept. A sequence that cannot fit even alone
+finishes with `length` (handed to the engine by `take_finished`). Finished and aborted sequences
+insert prompt + output into the tree, then release.
 
 After the model ran a step, `update` owns what changed: computed lengths, whole blocks committed
-to the tree while their sequence still runs (requests sharing the prefix hit them at once), and
-the forks of a request's other choices (n > 1) once its prompt is computed, sharing its blocks.
+to the tree while their sequence still runs (requests sharing the prefix hit them at once), the
+tenants' service counters (output tokens sampled), and the forks of a request's other choices
+(n > 1) once its prompt is computed, sharing its blocks.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from cache.manager import KVCacheManager
+from workers.engine.admission import POLICIES, AdmissionOrder, Policy, preemption_victim, running_order
+from workers.engine.fairness import VirtualTokenCounter
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 
 
@@ -77,9 +85,14 @@ class StepUpdate:
 class Scheduler:
     def __init__(
         self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
+        policy: Policy = "fair",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.cache = cache  # the block pool + prefix tree pair; every block goes through it
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
+        self.policy = policy
+        self.vtc = VirtualTokenCounter()  # kept under both policies (metrics); only `fair` orders by it
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._finished: list[Sequence] = []  # finished here (could never fit) until `take_finished`
@@ -89,6 +102,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self.vtc.enqueue(seq.namespace, seq.weight)
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.vtc.dequeue(seq.namespace)
 
     def adopt_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks (a forked choice) joins the running set."""
@@ -98,16 +116,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admission_order(self, now: float) -> list[Sequence]:
+    def _admission_order(self, now: float) -> AdmissionOrder:
         for seq in self.waiting:
             seq.match_hint = self.cache.peek(seq.namespace, seq.all_ids)
-
-        def key(seq: Sequence) -> tuple:
-            if now - seq.arrival_time > self.max_wait_s:  # aged: first come, first served
-                return (0, seq.arrival_order)
-            return (1, seq.priority, -seq.match_hint, seq.arrival_order)
-
-        return sorted(self.waiting, key=key)
+        return AdmissionOrder(self.waiting, self.running, self.policy, self.vtc, now, self.max_wait_s)
 
     def _sits_out(self, seq: Sequence, now: float, interactive_present: bool) -> bool:
         """A batch sequence yields the step to interactive work, unless it has aged."""
@@ -120,14 +132,16 @@ class Scheduler:
         now = time.monotonic()
         interactive_present = any(s.priority is Priority.INTERACTIVE for s in self.running) or any(
             s.priority is Priority.INTERACTIVE for s in self.waiting)
-        for seq in sorted(self.running, key=lambda s: s.arrival_order):  # oldest keep their blocks
+        scheduled: set[Sequence] = set()  # in this step's batch: never preempted for another's blocks
+        for seq in running_order(self.running, self.policy, self.vtc):
             if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
                 continue
             num_new = min(seq.total_len - seq.computed_len, budget)
-            copies = self._grow(seq, num_new)
+            copies = self._grow(seq, num_new, scheduled)
             if copies is None:
                 continue  # seq itself was preempted or finished
             batch.add(seq, num_new, copies)
+            scheduled.add(seq)
             budget -= num_new
         # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
         # block is the same would compute that prefix twice, so it waits and then hits the blocks
@@ -138,7 +152,8 @@ class Scheduler:
             for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
             and not self._sits_out(s, now, interactive_present)
         }
-        for seq in self._admission_order(now):
+        order = self._admission_order(now)
+        for seq in iter(order.next, None):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
             if self._sits_out(seq, now, interactive_present):
@@ -149,17 +164,22 @@ class Scheduler:
             in_flight.add(next_block)
             admitted = self._admit(seq, budget, batch)
             if admitted is None:
-                break  # head of line keeps its place: no smaller request jumps it for blocks
+                if order.refused(seq):
+                    break  # fcfs, or an aged sequence: it keeps its place, nobody jumps it for blocks
+                continue  # fair: only its own tenant waits for the next step
+            if admitted:
+                order.admitted(seq)
             budget -= admitted
         return batch.ordered()
 
-    def _grow(self, seq: Sequence, num_new: int) -> list[tuple[int, int]] | None:
-        """Blocks for num_new more tokens, preempting newer sequences if needed; None if seq lost its place."""
+    def _grow(self, seq: Sequence, num_new: int, scheduled: set[Sequence]) -> list[tuple[int, int]] | None:
+        """Blocks for num_new more tokens, preempting other sequences not in `scheduled` (this step's
+        batch) if needed; None if seq lost its place."""
         table = seq.block_table
         assert table is not None
         while not self.cache.can_grow(table, num_new):
-            victim = max((s for s in self.running if s.status is Status.RUNNING),
-                         key=lambda s: (s.priority, s.arrival_order))  # batch first, then the newest
+            victim = preemption_victim(self.running, self.policy, self.vtc, scheduled)
+            assert victim is not None  # seq itself is running and not yet scheduled
             if victim is seq and len(self.running) == 1:
                 self.finish(seq, FinishReason.LENGTH)  # cannot fit even alone
                 self._finished.append(seq)
@@ -171,24 +191,27 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
-        hit = self.cache.match_and_lock(seq.namespace, seq.all_ids)  # seq now holds the matched blocks
+        # seq now holds the matched blocks; the hit is counted below, once it is admitted
+        hit = self.cache.match_and_lock(seq.namespace, seq.all_ids, count=False)
         table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
         if not self.cache.can_grow(table, num_new):
             self.cache.release(table)
             if not self.running:  # nothing will ever free blocks for it
-                self.waiting.remove(seq)
+                self._leave_waiting(seq)
                 self.finish(seq, FinishReason.LENGTH)
                 self._finished.append(seq)
                 return 0  # keep admitting others
             return None
+        self.cache.count_match(seq.namespace, seq.total_len, hit.num_matched_blocks * self.cache.block_size)
         seq.block_table = table
         seq.cached_len = seq.computed_len = cached
-        if seq.num_preemptions == 0:
+        if seq.num_preemptions == 0:  # first admission: its uncached prompt is its input service
             seq.prompt_cached_len = min(cached, seq.prompt_len)
+            self.vtc.charge(seq.namespace, input_tokens=seq.prompt_len - seq.prompt_cached_len)
         seq.committed_blocks = hit.num_matched_blocks
         seq.status = Status.RUNNING
-        self.waiting.remove(seq)
+        self._leave_waiting(seq)
         self.running.append(seq)
         batch.add(seq, num_new, hit.copies + self.cache.grow(table, num_new))
         return num_new
@@ -210,6 +233,7 @@ class Scheduler:
         sampling = batch.sampling
         forks = []
         for row, parent in enumerate(sampling):
+            self.vtc.charge(parent.namespace, output_tokens=1 + parent.pending_forks)  # a token per choice
             if parent.pending_forks == 0 or parent.block_table is None:
                 continue
             for index in range(1, parent.pending_forks + 1):
@@ -222,7 +246,7 @@ class Scheduler:
         filled last one) and every length; it runs from now on."""
         assert parent.block_table is not None
         child = Sequence(parent.request_id, parent.prompt_ids, parent.params, parent.namespace, parent.priority,
-                         index=index, arrival_time=parent.arrival_time)
+                         index=index, arrival_time=parent.arrival_time, weight=parent.weight)
         child.block_table = self.cache.fork(parent.block_table)
         child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
         child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
@@ -262,13 +286,17 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
-            self.waiting.remove(seq)
+            self._leave_waiting(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
         """The request's open choices: running ones, then waiting ones."""
         return [s for s in self.running + self.waiting if s.request_id == request_id]
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: counter, weight, tokens served, sequences waiting and running (VirtualTokenCounter.stats)."""
+        return self.vtc.stats([s.namespace for s in self.waiting], [s.namespace for s in self.running])
 
     def kv_utilization(self) -> tuple[int, int]:
         """(tokens held, capacity) of the blocks running sequences hold; a shared block counts once."""

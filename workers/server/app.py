@@ -1,6 +1,6 @@
 """The worker's internal HTTP API for the gateway (aiohttp).
 
-POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority[, stream]}
+POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority[, stream][, weight]}
                          -> NDJSON deltas {index, token_ids, text, finish_reason[, logprobs]}
                          (index = choice, for n > 1); the request's last line adds usage
                          {prompt_tokens, cached_tokens, completion_tokens}. With "stream": false
@@ -131,7 +131,7 @@ async def answer(app: web.Application, body: Any, headers: Mapping[str, str], ow
     submitted = False  # from the first anext on, the engine reports the request's end to `billing`
     try:
         stream = app[ENGINE_KEY].generate(parsed.request_id, parsed.prompt, parsed.params, parsed.namespace,
-                                          Priority[parsed.priority.upper()], trace)
+                                          Priority[parsed.priority.upper()], trace, parsed.weight)
         try:
             submitted = True
             try:

@@ -45,6 +45,30 @@ class EngineCollector(Collector):
                                   value=sum(s.get("miss_tokens", 0) for s in cache))
         yield CounterMetricFamily("tollway_worker_preemptions", "Sequences preempted (recomputed later)",
                                   value=state.get("preemptions", 0))
+        yield from _tenant_families(state.get("tenants", {}))
+
+
+def _tenant_families(tenants: dict[str, dict[str, Any]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per tenant (its cache namespace), the fair scheduler's view (workers/engine/fairness.py)."""
+    counter = GaugeMetricFamily("tollway_worker_tenant_virtual_tokens",
+                                "The tenant's virtual token counter: weighted service / weight, lifted when it "
+                                "returns from idle (the fair scheduler admits the smallest first)", labels=["tenant"])
+    weight = GaugeMetricFamily("tollway_worker_tenant_weight", "The tenant's scheduling weight", labels=["tenant"])
+    waiting = GaugeMetricFamily("tollway_worker_tenant_waiting_requests", "The tenant's sequences waiting",
+                                labels=["tenant"])
+    running = GaugeMetricFamily("tollway_worker_tenant_running_requests", "The tenant's sequences running",
+                                labels=["tenant"])
+    tokens = CounterMetricFamily("tollway_worker_tenant_service_tokens",
+                                 "Tokens computed for the tenant, first time only (input: uncached prompt; output)",
+                                 labels=["tenant", "kind"])
+    for tenant, stats in tenants.items():
+        counter.add_metric([tenant], stats["counter"])
+        weight.add_metric([tenant], stats["weight"])
+        waiting.add_metric([tenant], stats["waiting"])
+        running.add_metric([tenant], stats["running"])
+        tokens.add_metric([tenant, "input"], stats["input_tokens"])
+        tokens.add_metric([tenant, "output"], stats["output_tokens"])
+    yield from (counter, weight, waiting, running, tokens)
 
 
 @dataclass

@@ -17,6 +17,7 @@ last line has finish_reason `abort`, a failed engine's `error`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -69,14 +70,18 @@ class GenerateBody(TypedDict, total=False):
     stream: bool
     billing: Billing  # absent for callers that bill nothing (tests, benches)
     grammar: dict[str, Any]  # GrammarSpec.to_json(): what the output must match (absent: free text)
+    # the tenant's scheduling weight (> 0, default 1): the worker's fair scheduler divides the
+    # namespace's service by it (workers/engine/fairness.py); set by the gateway, never by clients
+    weight: float
 
 
 def generate_body(request_id: str, namespace: str, prompt: list[int], sampling: dict[str, Any],
                   priority: Priority = "interactive", stream: bool = True,
-                  billing: Billing | None = None, grammar: GrammarSpec | None = None) -> GenerateBody:
+                  billing: Billing | None = None, grammar: GrammarSpec | None = None,
+                  weight: float = 1.0) -> GenerateBody:
     """The body the gateway sends (validated by the worker's `parse_generate`)."""
     body: GenerateBody = {"request_id": request_id, "namespace": namespace, "prompt_token_ids": prompt,
-                          "sampling": sampling, "priority": priority, "stream": stream}
+                          "sampling": sampling, "priority": priority, "stream": stream, "weight": weight}
     if billing is not None:
         body["billing"] = billing
     if grammar is not None:
@@ -93,6 +98,7 @@ class GenerateRequest:
     priority: str  # one of PRIORITIES
     stream: bool = True  # False: the answer comes at the end, one joined line per choice (LineJoiner)
     billing: dict[str, Any] | None = None  # opaque to the worker: kept with the usage (Billing)
+    weight: float = 1.0  # the tenant's scheduling weight
 
 
 def parse_sampling(raw: Any, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -139,6 +145,9 @@ def parse_generate(body: Any, sampling_defaults: dict[str, Any] | None = None) -
     billing = body.get("billing")
     if billing is not None and not isinstance(billing, dict):
         raise BadRequest("billing must be an object")
+    weight = body.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+        raise BadRequest("weight must be a number above 0")
     params = parse_sampling(body.get("sampling"), sampling_defaults)
     try:
         grammar = parse_grammar(body.get("grammar"))
@@ -146,7 +155,7 @@ def parse_generate(body: Any, sampling_defaults: dict[str, Any] | None = None) -
         raise BadRequest(str(exc)) from exc
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
-    return GenerateRequest(request_id, namespace, prompt, params, priority, stream, billing)
+    return GenerateRequest(request_id, namespace, prompt, params, priority, stream, billing, float(weight))
 
 
 def ndjson(lines: list[dict[str, Any]]) -> bytes:
