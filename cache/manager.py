@@ -12,7 +12,7 @@ A sequence's life through the facade:
   peek               prompt tokens the tree would serve now (a scheduling hint; changes nothing)
   match_and_lock     a new table on the matched, locked blocks (+ a copy of a partly matching block)
   count_match        count a match in the hit/miss stats (when match_and_lock was told not to)
-  can_grow / grow    room for the next tokens (copy-on-write of a shared last block included)
+  try_grow           room for the next tokens (copy-on-write of a shared last block included)
   fork               a child table sharing every block (parallel sampling, n > 1)
   commit             offer computed whole blocks to the tree while the sequence still runs
   cache_and_release  at the end (finish, abort, preemption): cache what it computed, give back
@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cache.block_pool import BlockPool
+from cache.block_pool import BlockPool, OutOfBlocksError
 from cache.block_table import BlockTable
 from cache.radix_tree import RadixPrefixTree
 
@@ -96,14 +96,19 @@ class KVCacheManager:
         self.tree.count_match(namespace, num_tokens, cached_len)
 
     # -- growth ---------------------------------------------------------------------------------
-    def can_grow(self, table: BlockTable, num_new_tokens: int) -> bool:
-        """Whether `grow` can find the blocks now (evicting unlocked cached blocks if needed)."""
-        return self.pool.can_allocate(table.blocks_needed(num_new_tokens))
+    def try_grow(self, table: BlockTable, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Room for num_new_tokens more tokens: the (src, dst) block copies to perform, or None (the
+        table unchanged) when even eviction cannot supply the blocks.
 
-    def grow(self, table: BlockTable, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Room for num_new_tokens more tokens; returns the (src, dst) block copies to perform.
-        Raises OutOfBlocksError, the table unchanged, unless `can_grow` said yes."""
-        return table.append(num_new_tokens)
+        Trying is the only honest test: the pool's evictable count includes cached blocks that no
+        sequence holds but that sit inside the tree above blocks a sequence does hold (a running
+        sequence whose committed blocks continue a cached path through blocks of another's), and
+        such a block can be evicted only after the sequences below it let go.
+        """
+        try:
+            return table.append(num_new_tokens)
+        except OutOfBlocksError:
+            return None
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A child table sharing every block (one more reference on each)."""

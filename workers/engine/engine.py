@@ -22,8 +22,8 @@ from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
 from workers.engine import grammar
-from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.admission import Policy
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.detokenize import OutputText
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent

@@ -177,7 +177,7 @@ class Scheduler:
         batch) if needed; None if seq lost its place."""
         table = seq.block_table
         assert table is not None
-        while not self.cache.can_grow(table, num_new):
+        while (copies := self.cache.try_grow(table, num_new)) is None:
             victim = preemption_victim(self.running, self.policy, self.vtc, scheduled)
             assert victim is not None  # seq itself is running and not yet scheduled
             if victim is seq and len(self.running) == 1:
@@ -187,7 +187,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return None
-        return self.cache.grow(table, num_new)
+        return copies
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
@@ -195,7 +195,8 @@ class Scheduler:
         hit = self.cache.match_and_lock(seq.namespace, seq.all_ids, count=False)
         table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
-        if not self.cache.can_grow(table, num_new):
+        copies = self.cache.try_grow(table, num_new)
+        if copies is None:
             self.cache.release(table)
             if not self.running:  # nothing will ever free blocks for it
                 self._leave_waiting(seq)
@@ -213,7 +214,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self._leave_waiting(seq)
         self.running.append(seq)
-        batch.add(seq, num_new, hit.copies + self.cache.grow(table, num_new))
+        batch.add(seq, num_new, hit.copies + copies)
         return num_new
 
     def take_finished(self) -> list[Sequence]:

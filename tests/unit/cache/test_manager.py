@@ -10,8 +10,7 @@ def test_a_sequence_commits_while_running_and_a_second_one_hits_its_blocks() -> 
     tokens = list(range(10))
     first = cache.match_and_lock("a", tokens)
     assert (first.cached_len, first.num_matched_blocks, first.copies) == (0, 0, [])
-    assert cache.can_grow(first.table, 10)
-    assert cache.grow(first.table, 10) == [] and len(first.table.block_ids) == 3
+    assert cache.try_grow(first.table, 10) == [] and len(first.table.block_ids) == 3
     cache.commit("a", tokens[:8], first.table)  # two whole blocks computed so far
     cache.check_integrity([first.table])
     assert cache.peek("a", tokens + [10]) == 8
@@ -35,7 +34,7 @@ def test_a_prompt_going_on_into_part_of_a_cached_block_gets_a_copy_of_it() -> No
     cache = KVCacheManager(num_blocks=16, block_size=4)
     cached = list(range(1, 13))
     hit = cache.match_and_lock("ns", cached)
-    cache.grow(hit.table, len(cached))
+    assert cache.try_grow(hit.table, len(cached)) == []
     cached_blocks = list(hit.table.block_ids)
     cache.cache_and_release("ns", cached, hit.table)
 
@@ -51,9 +50,8 @@ def test_a_prompt_going_on_into_part_of_a_cached_block_gets_a_copy_of_it() -> No
 def test_growth_is_refused_without_room_and_a_release_caches_nothing() -> None:
     cache = KVCacheManager(num_blocks=2, block_size=4)
     hit = cache.match_and_lock("a", list(range(20)))
-    assert not cache.can_grow(hit.table, 20)
-    assert cache.can_grow(hit.table, 8)
-    cache.grow(hit.table, 8)
+    assert cache.try_grow(hit.table, 20) is None and hit.table.block_ids == []  # unchanged
+    assert cache.try_grow(hit.table, 8) == []
     child = cache.fork(hit.table)
     assert child.block_ids == hit.table.block_ids
     cache.check_integrity([hit.table, child])
@@ -61,3 +59,29 @@ def test_growth_is_refused_without_room_and_a_release_caches_nothing() -> None:
     cache.release(hit.table)
     assert cache.stats().num_free == 2 and cache.peek("a", list(range(20))) == 0
     cache.check_integrity([])
+
+
+def test_growth_is_refused_when_the_only_evictable_block_sits_above_a_held_one() -> None:
+    """A second sequence with the same tokens copies the cached path's partly matched block, then
+    commits its own blocks below that path's block: the block is cached and held by no sequence
+    (counted evictable) but not a leaf, so eviction cannot take it. Growth says no, never raises."""
+    cache = KVCacheManager(num_blocks=5, block_size=4)
+    tokens = list(range(12))
+    first = cache.match_and_lock("a", tokens)
+    assert cache.try_grow(first.table, 12) == []
+    cache.cache_and_release("a", tokens, first.table)  # three cached blocks, held by the tree only
+
+    second = cache.match_and_lock("a", tokens)  # two whole blocks + a copy of the third
+    assert (second.num_matched_blocks, len(second.copies)) == (2, 1)
+    longer = tokens + [40, 41, 42, 43]
+    assert cache.try_grow(second.table, len(longer) - second.table.num_tokens) == []
+    cache.commit("a", longer, second.table)  # its fourth block goes below the first's third
+    cache.check_integrity([second.table])
+    stats = cache.stats()
+    assert (stats.num_free, stats.num_evictable) == (0, 1)  # counted evictable...
+    assert cache.try_grow(second.table, 4) is None  # ...but not evictable while the second holds below it
+    assert len(second.table.block_ids) == 4
+    cache.check_integrity([second.table])
+    cache.cache_and_release("a", longer, second.table)
+    cache.check_integrity([])
+    assert cache.all_free_or_evictable()
