@@ -170,14 +170,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, delta: Delta) -> None:
-        if delta.usage is not None:
-            self._finished(delta)
-        with self._streams_lock:
-            stream = self._streams.get(delta.request_id)
-            if stream is not None and delta.usage is not None:
-                del self._streams[delta.request_id]
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, delta)
+        self._deliver_step([delta])
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Delta], Delta]]) -> None:
