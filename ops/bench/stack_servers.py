@@ -193,7 +193,7 @@ async def chat_load(base_url: str, api_key: str, conversations: list[Messages], 
                     in_flight: int, extra_body: dict[str, Any], name: str = "") -> Run:
     """Every conversation, in order, `in_flight` at a time (each client sends its next request as
     soon as its last one ended), through one AsyncOpenAI client."""
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=900.0)
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=2, timeout=900.0)
     try:
         model = (await client.models.list()).data[0].id
         queue = list(reversed(conversations))
