@@ -3,7 +3,7 @@
 The gateway awaits `UsageWriter.write(record)` before it sends a response's last byte. One writer
 thread owns every database write: it takes the first queued record, gathers whatever else arrives
 within `max_delay_s` (at most `max_batch` records) and inserts them all in ONE transaction with
-`accounting.usage.insert_records` (ON CONFLICT (request_id) DO NOTHING, so a retried request_id
+`accounting.usage_commit.insert_records` (ON CONFLICT (request_id) DO NOTHING, so a retried request_id
 never makes a second row; multi-row, or COPY on PostgreSQL). A single writer is what SQLite in WAL
 mode wants, and it keeps PostgreSQL at one commit per batch instead of one per request.
 
@@ -35,7 +35,9 @@ from sqlalchemy import Connection, Engine, bindparam, update
 from sqlalchemy.exc import DataError, IntegrityError
 
 from accounting.models import IdempotentResponse
-from accounting.usage import SUPPORTED_DIALECTS, UsageRecord, UsageSpool, insert_records, read_spooled
+from accounting.usage import UsageRecord
+from accounting.usage_commit import SUPPORTED_DIALECTS, insert_records
+from accounting.usage_spool import UsageSpool, read_spooled
 
 log = logging.getLogger(__name__)
 
