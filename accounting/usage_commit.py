@@ -2,20 +2,22 @@
 
 `insert_records` is how a batch of `UsageRecord`s gets into usage_events (ON CONFLICT (request_id)
 DO NOTHING, so a retried request_id never makes a second row; multi-row, or COPY on PostgreSQL).
-`accounting.usage_writer` calls it inside its one transaction per batch.
+`store_responses` fills the Idempotency-Key rows (`StoredResponse`) whose requests are in the
+batch. `accounting.usage_writer` calls both inside its one transaction per batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+from dataclasses import dataclass
 from typing import cast
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import Connection, Table, bindparam, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
-from accounting.models import UsageEvent
+from accounting.models import IdempotentResponse, UsageEvent
 from accounting.usage import FIELD_NAMES, UsageRecord
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite")
@@ -72,3 +74,29 @@ def _copy_records(connection: Connection, records: list[UsageRecord]) -> None:
         with contextlib.suppress(dialect.loaded_dbapi.Error):  # its connection may be gone
             cursor.close()
     connection.exec_driver_sql(_MERGE_SQL)
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response to keep for replays of its Idempotency-Key, committed with its usage row."""
+
+    tenant_id: int
+    key: str
+    status_code: int
+    content_type: str
+    body: bytes
+
+
+_STORE_RESPONSE = (
+    update(IdempotentResponse)
+    .where(IdempotentResponse.tenant_id == bindparam("t"), IdempotentResponse.key == bindparam("k"),
+           IdempotentResponse.body.is_(None))
+    .values(status_code=bindparam("s"), content_type=bindparam("c"), body=bindparam("b"))
+)
+
+
+def store_responses(connection: Connection, stored: list[StoredResponse]) -> None:
+    """Fill the claimed idempotency rows of `stored` in the caller's transaction (a claim already
+    answered keeps its first response)."""
+    connection.execute(_STORE_RESPONSE, [{"t": r.tenant_id, "k": r.key, "s": r.status_code, "c": r.content_type,
+                                          "b": r.body} for r in stored])
