@@ -37,6 +37,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
+from gateway.quotas.rules import Usage, check_admission, decide, merge
 from gateway.quotas.store import (
     DEFAULT_LEASE_S,
     WINDOW_S,
@@ -46,10 +47,6 @@ from gateway.quotas.store import (
     Limits,
     QuotaUnavailable,
     Ticket,
-    Usage,
-    check_admission,
-    decide,
-    merge,
 )
 
 _SCRIPTS = Path(__file__).with_name("lua")
