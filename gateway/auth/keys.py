@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from accounting.keys import hash_api_key
-from accounting.tenants import AuthRecord, authenticate
+from accounting.api_keys import AuthRecord, authenticate
 from gateway.api.errors import ApiError
 
 log = logging.getLogger("tollway.gateway")

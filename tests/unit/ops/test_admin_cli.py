@@ -11,7 +11,8 @@ from click.testing import CliRunner, Result
 from accounting.db import create_db_engine, session_factory
 from accounting.keys import hash_api_key, looks_like_api_key
 from accounting.settings import AccountingSettings
-from accounting.tenants import AuthRecord, authenticate, get_tenant
+from accounting.api_keys import AuthRecord, authenticate
+from accounting.tenants import get_tenant
 from ops.cli import cli
 
 
