@@ -198,8 +198,8 @@ def _print_once_note(key_id: int, prefix: str, tenant: str) -> None:
 def keys_create(tenant: str, name: str | None, expires_in_days: int | None, rpm: int | None,
                 tpm: int | None) -> None:
     """Create an API key; it is printed once on stdout, only its hash is stored."""
-    from accounting.models import utcnow
     from accounting.api_keys import create_key
+    from accounting.models import utcnow
 
     expires_at = None if expires_in_days is None else utcnow() + timedelta(days=expires_in_days)
     with _session() as session:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.api_keys import create_key
+from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.tenants import create_tenant
 from tests.integration.gateway_cluster import Cluster
 

@@ -11,10 +11,18 @@ import pytest
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.orm import Session
 
+from accounting.api_keys import (
+    KeyNotFoundError,
+    authenticate,
+    create_key,
+    key_to_dict,
+    list_keys,
+    revoke_key,
+    rotate_key,
+)
 from accounting.db import create_db_engine, current_revision, session_factory, upgrade_database
 from accounting.keys import display_prefix, generate_api_key, hash_api_key, looks_like_api_key
 from accounting.settings import AccountingSettings
-from accounting.api_keys import KeyNotFoundError, authenticate, create_key, key_to_dict, list_keys, revoke_key, rotate_key
 from accounting.tenants import (
     UNLIMITED,
     AccountingError,
