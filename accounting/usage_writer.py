@@ -3,20 +3,16 @@
 The gateway awaits `UsageWriter.write(record)` before it sends a response's last byte. One writer
 thread owns every database write: it takes the first queued record, gathers whatever else arrives
 within `max_delay_s` (at most `max_batch` records) and inserts them all in ONE transaction with
-`accounting.usage.insert_records` (ON CONFLICT (request_id) DO NOTHING, so a retried request_id
-never makes a second row; multi-row, or COPY on PostgreSQL). A single writer is what SQLite in WAL
-mode wants, and it keeps PostgreSQL at one commit per batch instead of one per request.
+`accounting.usage_commit.insert_records` (ON CONFLICT (request_id) DO NOTHING, so a retried
+request_id never makes a second row; multi-row, or COPY on PostgreSQL). A single writer is what
+SQLite in WAL mode wants, and it keeps PostgreSQL at one commit per batch instead of one per request.
 
 Durability when the database fails: the batch is appended to a local spool file (JSON lines,
-fsync'd) and the callers are told it is durable. Invariant: an acknowledged row is in the database
-or in the spool (possibly both), never neither. The spool is replayed at start and every
-`replay_interval_s` while it is not empty, with the same ON CONFLICT DO NOTHING (so a replay, or a
-caller's retry of the same request_id, never makes a second row), and truncated only once
-everything in it is committed. While the database is known to be down, batches go straight to
-the spool; the replay is the probe that brings it back. If even the spool write fails, the
-callers' futures get the exception. Lines that can never be inserted (unreadable, or refused by a
-constraint) are moved to `<spool>.rejected` and logged, never dropped (a line may be repeated
-there when a replay that rejected it is retried).
+fsync'd, `accounting.usage_spool`) and the callers are told it is durable. Invariant: an
+acknowledged row is in the database or in the spool (possibly both), never neither. The spool is
+replayed into the database by `accounting.usage_replay` (its docstring tells how). If even the
+spool write fails, the callers' futures get the exception. Callers are told how their writes went
+by `accounting.usage_waiters`.
 """
 
 from __future__ import annotations
@@ -31,46 +27,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from sqlalchemy import Connection, Engine, bindparam, update
+from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
-from accounting.models import IdempotentResponse
-from accounting.usage import SUPPORTED_DIALECTS, UsageRecord, UsageSpool, insert_records, read_spooled
+from accounting.usage import UsageRecord
+from accounting.usage_commit import SUPPORTED_DIALECTS, StoredResponse, insert_records, store_responses
+from accounting.usage_replay import SpoolReplay
+from accounting.usage_spool import UsageSpool, read_spooled
+from accounting.usage_waiters import Waiter, settle
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 """Queued by close(); everything submitted before it is written first (FIFO)."""
 
-_Waiter: TypeAlias = "concurrent.futures.Future[None] | asyncio.Future[None]"
-_Item: TypeAlias = tuple[UsageRecord, _Waiter]
+_Item: TypeAlias = tuple[UsageRecord, Waiter]
 """A queued record and who waits for it: submit()'s future, or write()'s future on its event loop."""
 _BAD_ROW_ERRORS = (IntegrityError, DataError)
 """Errors that condemn a row, not the database: retrying cannot help, so they are not spooled."""
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    """A response to keep for replays of its Idempotency-Key, committed with its usage row."""
-
-    tenant_id: int
-    key: str
-    status_code: int
-    content_type: str
-    body: bytes
-
-
-_STORE_RESPONSE = (
-    update(IdempotentResponse)
-    .where(IdempotentResponse.tenant_id == bindparam("t"), IdempotentResponse.key == bindparam("k"),
-           IdempotentResponse.body.is_(None))
-    .values(status_code=bindparam("s"), content_type=bindparam("c"), body=bindparam("b"))
-)
-
-
-def _store_responses(connection: Connection, stored: list[StoredResponse]) -> None:
-    connection.execute(_STORE_RESPONSE, [{"t": r.tenant_id, "k": r.key, "s": r.status_code, "c": r.content_type,
-                                          "b": r.body} for r in stored])
 
 
 @dataclass
@@ -104,7 +78,7 @@ class UsageWriter:
             raise ValueError("max_batch must be >= 1, max_delay_s >= 0 and replay_interval_s > 0")
         self._engine = engine
         self._spool = UsageSpool(Path(spool_path))
-        self._max_delay_s, self._max_batch, self._replay_interval_s = max_delay_s, max_batch, replay_interval_s
+        self._max_delay_s, self._max_batch = max_delay_s, max_batch
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Guards _started/_closed so no submit() can slip in behind close()'s _STOP.
         self._state_lock = threading.Lock()
@@ -113,10 +87,8 @@ class UsageWriter:
         self._stats_lock = threading.Lock()
         self._stats = UsageWriterStats()
         # Owned by the writer thread once it runs (set up by start() before that).
-        self._spool_pending = False  # the spool may hold rows that are not in the database yet
-        self._replay_offset = 0  # bytes of the spool already committed in this run
-        self._next_replay_at = 0.0
-        self._db_healthy = True
+        self._replay = SpoolReplay(self._spool, insert_all=self._insert_all, count=self._count,
+                                   chunk_rows=max_batch, interval_s=replay_interval_s)
         # request_id → the response to store in the same transaction as its row (see StoredResponse).
         # Filled by callers before queueing, drained by the writer thread; dict ops are atomic.
         self._responses: dict[str, StoredResponse] = {}
@@ -130,7 +102,7 @@ class UsageWriter:
         with self._state_lock:
             if self._started or self._closed:
                 raise RuntimeError("a UsageWriter can be started once")
-            self._spool_pending = self._spool.open() > 0
+            self._replay.open()
             self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
             self._thread.start()
             self._started = True
@@ -162,7 +134,7 @@ class UsageWriter:
         self._enqueue(record, future)
         await future
 
-    def _enqueue(self, record: UsageRecord, waiter: _Waiter) -> None:
+    def _enqueue(self, record: UsageRecord, waiter: Waiter) -> None:
         if not isinstance(record, UsageRecord):
             raise TypeError(f"expected a UsageRecord, got {type(record).__name__}")
         with self._state_lock:
@@ -201,7 +173,7 @@ class UsageWriter:
             with self._state_lock:
                 self._closed = True
             # Only after a crash can anything be left; its callers must not wait forever.
-            left: list[tuple[_Waiter, BaseException | None]] = []
+            left: list[tuple[Waiter, BaseException | None]] = []
             while True:
                 try:
                     item = self._queue.get_nowait()
@@ -209,7 +181,7 @@ class UsageWriter:
                     break
                 if item is not _STOP:
                     left.append((item[1], RuntimeError("the usage writer stopped")))
-            _settle(left)
+            settle(left)
 
     def _loop(self) -> None:
         stopping = False
@@ -220,21 +192,13 @@ class UsageWriter:
             elif item is not None:
                 batch, stopping = self._gather(item)
                 self._write_batch(batch)
-            due = stopping or time.monotonic() >= self._next_replay_at
-            if self._spool_pending and due:
-                self._replay(until_empty=stopping)
-            elif not self._db_healthy and due:
-                self._db_healthy = True  # nothing to replay: the next batch tries the database again
-
-    def _waiting_on_db(self) -> bool:
-        """Whether a replay (or, with an empty spool, a retry of the database) is scheduled."""
-        return self._spool_pending or not self._db_healthy
+            self._replay.run_if_due(stopping=stopping)
 
     def _next_item(self) -> Any:
         """The next queued item; None when it is time to replay the spool instead."""
-        if not self._waiting_on_db():
+        if not self._replay.waiting_on_db():
             return self._queue.get()
-        wait = self._next_replay_at - time.monotonic()
+        wait = self._replay.seconds_to_next()
         try:
             return self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
         except queue.Empty:
@@ -267,7 +231,7 @@ class UsageWriter:
         with self._engine.begin() as connection:
             insert_records(connection, records)
             if stored:
-                _store_responses(connection, stored)
+                store_responses(connection, stored)
         for record in records:
             self._responses.pop(record.request_id, None)
         elapsed_ms = (time.perf_counter() - started) * 1e3
@@ -298,17 +262,17 @@ class UsageWriter:
         groups: dict[str, list[_Item]] = {}
         for item in batch:
             groups.setdefault(item[0].request_id, []).append(item)
-        if self._db_healthy:
+        if self._replay.db_healthy:
             try:
                 bad = self._insert_all([items[0][0] for items in groups.values()])
             except Exception as error:
                 # Rows inserted one by one before the failure are spooled too: harmless duplicates.
                 log.warning("usage insert failed, spooling %d rows: %s", len(groups), error)
-                self._mark_db_down()
+                self._replay.mark_db_down()
             else:
                 self._count("rows_written", len(groups) - len(bad))
                 # A bad record's callers get its error; the others, success.
-                _settle([(waiter, bad.get(record.request_id)) for record, waiter in batch])
+                settle([(waiter, bad.get(record.request_id)) for record, waiter in batch])
                 return
         self._spool_groups(groups)
 
@@ -321,82 +285,12 @@ class UsageWriter:
             self._spool.append(items[0][0] for items in groups.values())
         except Exception as error:
             log.error("usage spool write failed, %d rows are not durable: %s", len(groups), error)
-            _settle([(waiter, error) for _, waiter in batch])
+            settle([(waiter, error) for _, waiter in batch])
             return
-        self._spool_pending = True
+        self._replay.pending = True
         self._count("rows_spooled", len(groups))
-        _settle([(waiter, None) for _, waiter in batch])
-
-    def _mark_db_down(self) -> None:
-        self._db_healthy = False
-        self._next_replay_at = time.monotonic() + self._replay_interval_s
-
-    def _replay(self, *, until_empty: bool) -> None:
-        """Replay one chunk of the spool (or all of it when `until_empty`), unless the database fails."""
-        while True:
-            try:
-                emptied = self._replay_chunk()
-            except Exception as error:
-                log.warning("usage spool replay failed, retrying in %.1f s: %s", self._replay_interval_s, error)
-                self._mark_db_down()
-                return
-            self._db_healthy = True
-            self._next_replay_at = time.monotonic()  # keep draining, one chunk between live batches
-            if emptied or not until_empty:
-                return
-
-    def _replay_chunk(self) -> bool:
-        """Insert the next max_batch spool lines; True when the spool is thereby empty (cleared)."""
-        chunk = self._spool.read(self._replay_offset, self._max_batch)
-        self._count("rows_rejected", chunk.unreadable)
-        records: dict[str, UsageRecord] = {}
-        for record in chunk.records:
-            records.setdefault(record.request_id, record)  # the first one written wins, as in the table
-        if records:
-            bad = self._insert_all(list(records.values()))
-            for request_id, error in bad.items():
-                self._spool.reject(records[request_id].to_json(), f"refused by the database: {error}")
-            self._count("rows_rejected", len(bad))
-            self._count("rows_replayed", len(records) - len(bad))
-        self._replay_offset = chunk.end
-        if not chunk.at_end:
-            return False
-        # Everything up to the end is committed, and only this thread appends: empty the spool.
-        self._spool.clear()
-        self._replay_offset, self._spool_pending = 0, False
-        return True
+        settle([(waiter, None) for _, waiter in batch])
 
     def _count(self, name: str, n: int) -> None:
         with self._stats_lock:
             setattr(self._stats, name, getattr(self._stats, name) + n)
-
-
-def _settle(outcomes: list[tuple[_Waiter, BaseException | None]]) -> None:
-    """Tell the waiters how their writes went (None: durable). Runs on the writer thread.
-
-    submit()'s futures are RUNNING, so only this can settle them. write()'s futures belong to
-    their event loop: they are settled there, with one wake-up per loop for the whole list.
-    """
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]] = {}
-    for waiter, error in outcomes:
-        if isinstance(waiter, asyncio.Future):
-            by_loop.setdefault(waiter.get_loop(), []).append((waiter, error))
-        elif error is None:
-            waiter.set_result(None)
-        else:
-            waiter.set_exception(error)
-    for loop, loop_outcomes in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_settle_on_loop, loop_outcomes)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            log.debug("usage writes settled after their event loop closed")
-
-
-def _settle_on_loop(outcomes: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    for future, error in outcomes:
-        if future.done():  # its task was cancelled: the row is written all the same
-            continue
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)

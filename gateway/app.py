@@ -34,8 +34,9 @@ from gateway.observability.tracing import (
     tracing_middleware,
 )
 from gateway.quotas.admission import add_quota_headers
+from gateway.quotas.failover import FailoverQuotaStore
 from gateway.quotas.local import LocalQuotaStore
-from gateway.quotas.redis_store import FailoverQuotaStore, RedisQuotaStore
+from gateway.quotas.redis_store import RedisQuotaStore
 from gateway.quotas.store import QuotaStore
 from gateway.settings import GatewaySettings
 from gateway.state import ADMIN_KEY, AUTH, BACKGROUND, DB, POOL, QUOTAS, ROUTER, SESSIONS, SETTINGS, WRITER

@@ -198,8 +198,8 @@ def _print_once_note(key_id: int, prefix: str, tenant: str) -> None:
 def keys_create(tenant: str, name: str | None, expires_in_days: int | None, rpm: int | None,
                 tpm: int | None) -> None:
     """Create an API key; it is printed once on stdout, only its hash is stored."""
+    from accounting.api_keys import create_key
     from accounting.models import utcnow
-    from accounting.tenants import create_key
 
     expires_at = None if expires_in_days is None else utcnow() + timedelta(days=expires_in_days)
     with _session() as session:
@@ -214,7 +214,7 @@ def keys_create(tenant: str, name: str | None, expires_in_days: int | None, rpm:
 @click.option("--tenant", default=None, help="Only this tenant's keys.")
 def keys_list(tenant: str | None) -> None:
     """List API keys (display prefixes only)."""
-    from accounting.tenants import list_keys
+    from accounting.api_keys import list_keys
 
     with _session() as session:
         rows = list_keys(session, tenant)
@@ -230,7 +230,7 @@ def keys_list(tenant: str | None) -> None:
 @click.argument("key_id", type=int)
 def keys_revoke(key_id: int) -> None:
     """Revoke an API key at once."""
-    from accounting.tenants import revoke_key
+    from accounting.api_keys import revoke_key
 
     with _session(invalidates=True) as session:
         key = revoke_key(session, key_id)
@@ -243,7 +243,7 @@ def keys_revoke(key_id: int) -> None:
               help="How long the old key keeps working.")
 def keys_rotate(key_id: int, grace_seconds: int) -> None:
     """Replace an API key: prints the new key; the old one expires after the grace period."""
-    from accounting.tenants import rotate_key
+    from accounting.api_keys import rotate_key
 
     with _session(invalidates=True) as session:
         key, plaintext = rotate_key(session, key_id, grace_seconds)

@@ -1,9 +1,9 @@
 """Admin API under /admin/v1 (admin key only): tenants and API keys.
 
-Views are thin: they validate JSON, call `accounting.tenants` in a worker thread (the caller owns
-the transaction: one commit per request) and map accounting errors to HTTP errors. Anything that
-can un-authorise a key (revoke, rotate, disable, quota change) drops the key cache here and on
-every replica through Redis.
+Views are thin: they validate JSON, call `accounting.tenants` or `accounting.api_keys` in a worker
+thread (the caller owns the transaction: one commit per request) and map accounting errors to HTTP
+errors. Anything that can un-authorise a key (revoke, rotate, disable, quota change) drops the key
+cache here and on every replica through Redis.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from sqlalchemy.orm import Session
 
-from accounting import tenants
+from accounting import api_keys, tenants
 from gateway.api.body import read_json_object
 from gateway.api.errors import ApiError, invalid
 from gateway.api.transactions import in_transaction
@@ -102,7 +102,7 @@ async def update_tenant(request: web.Request) -> web.Response:
 async def list_keys(request: web.Request) -> web.Response:
     """List API keys (never the keys themselves), optionally ?tenant=NAME."""
     tenant = request.query.get("tenant")
-    rows = await _in_transaction(request, lambda s: [tenants.key_to_dict(k) for k in tenants.list_keys(s, tenant)])
+    rows = await _in_transaction(request, lambda s: [api_keys.key_to_dict(k) for k in api_keys.list_keys(s, tenant)])
     return web.json_response({"object": "list", "data": rows})
 
 
@@ -126,8 +126,8 @@ async def create_key(request: web.Request) -> web.Response:
     rpm, tpm = body.get("rpm"), body.get("tpm")
 
     def work(session: Session) -> dict[str, Any]:
-        key, plaintext = tenants.create_key(session, tenant, name=name, expires_at=expires_at, rpm=rpm, tpm=tpm)
-        return {**tenants.key_to_dict(key), "key": plaintext}
+        key, plaintext = api_keys.create_key(session, tenant, name=name, expires_at=expires_at, rpm=rpm, tpm=tpm)
+        return {**api_keys.key_to_dict(key), "key": plaintext}
 
     return web.json_response(await _in_transaction(request, work), status=201)
 
@@ -143,7 +143,7 @@ def _key_id(request: web.Request) -> int:
 async def revoke_key(request: web.Request) -> web.Response:
     """Revoke a key at once, on every replica."""
     key_id = _key_id(request)
-    row = await _in_transaction(request, lambda s: tenants.key_to_dict(tenants.revoke_key(s, key_id)), invalidates=True)
+    row = await _in_transaction(request, lambda s: api_keys.key_to_dict(api_keys.revoke_key(s, key_id)), invalidates=True)
     return web.json_response(row)
 
 
@@ -154,8 +154,8 @@ async def rotate_key(request: web.Request) -> web.Response:
     grace = body.get("grace_seconds", 3600)
 
     def work(session: Session) -> dict[str, Any]:
-        key, plaintext = tenants.rotate_key(session, key_id, grace)
-        return {**tenants.key_to_dict(key), "key": plaintext}
+        key, plaintext = api_keys.rotate_key(session, key_id, grace)
+        return {**api_keys.key_to_dict(key), "key": plaintext}
 
     return web.json_response(await _in_transaction(request, work, invalidates=True), status=201)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from accounting.tenants import AuthRecord
+from accounting.api_keys import AuthRecord
 from gateway.auth.admin import check_admin
 from gateway.auth.dashboard_session import has_dashboard_session
 from gateway.auth.keys import bearer_token

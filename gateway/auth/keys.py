@@ -19,8 +19,8 @@ from aiohttp import web
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from accounting.api_keys import AuthRecord, authenticate
 from accounting.keys import hash_api_key
-from accounting.tenants import AuthRecord, authenticate
 from gateway.api.errors import ApiError
 
 log = logging.getLogger("tollway.gateway")

@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from accounting.usage import UsageRecord
-from accounting.usage_writer import StoredResponse, UsageWriter
+from accounting.usage_commit import StoredResponse
+from accounting.usage_writer import UsageWriter
 from gateway.billing.idempotency import Claim
 
 

@@ -11,14 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from gateway.quotas.store import (
-    DEFAULT_LEASE_S,
-    BudgetSource,
-    Decision,
-    KeyScope,
-    Limits,
-    QuotaUnavailable,
-    Ticket,
+from gateway.quotas.rules import (
     Usage,
     check_admission,
     decide,
@@ -28,6 +21,15 @@ from gateway.quotas.store import (
     settle_bucket,
     utc_month,
     window,
+)
+from gateway.quotas.store import (
+    DEFAULT_LEASE_S,
+    BudgetSource,
+    Decision,
+    KeyScope,
+    Limits,
+    QuotaUnavailable,
+    Ticket,
 )
 
 

@@ -62,8 +62,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant
+from accounting.tenants import create_tenant
 from ops.bench.gateway_overhead_report import finite, print_report
 from ops.bench.http_load import (
     WARMUP_S,

@@ -13,8 +13,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant
+from accounting.tenants import create_tenant
 from tests.net import free_port, get_json
 
 

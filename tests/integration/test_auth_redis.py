@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from accounting.api_keys import create_key, revoke_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant, revoke_key
+from accounting.tenants import create_tenant
 from gateway.api.errors import ApiError
 from gateway.auth.invalidation import listen_for_invalidations
 from gateway.auth.keys import KeyCache

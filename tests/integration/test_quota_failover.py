@@ -16,8 +16,9 @@ import pytest
 import pytest_asyncio
 import redis as sync_redis
 
+from gateway.quotas.failover import FailoverQuotaStore
 from gateway.quotas.local import LocalQuotaStore
-from gateway.quotas.redis_store import FailoverQuotaStore, RedisQuotaStore
+from gateway.quotas.redis_store import RedisQuotaStore
 from gateway.quotas.store import Limits, QuotaUnavailable
 from tests.conftest import REPO_ROOT
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant
+from accounting.tenants import create_tenant
 from tests.integration.gateway_cluster import Cluster
 
 ADMIN_KEY = "tw-admin-test"  # what Cluster.start gives its gateways

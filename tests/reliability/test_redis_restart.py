@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from accounting.api_keys import create_key, revoke_key
 from accounting.db import create_db_engine, session_factory
-from accounting.tenants import create_key, revoke_key
 from tests.reliability.services import start_redis
 from tests.reliability.stack import Cluster, chat_body, headers, make_tenants, sqlite_url
 from workers.wire.key_events import publish_invalidation

@@ -11,6 +11,15 @@ import pytest
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.orm import Session
 
+from accounting.api_keys import (
+    KeyNotFoundError,
+    authenticate,
+    create_key,
+    key_to_dict,
+    list_keys,
+    revoke_key,
+    rotate_key,
+)
 from accounting.db import create_db_engine, current_revision, session_factory, upgrade_database
 from accounting.keys import display_prefix, generate_api_key, hash_api_key, looks_like_api_key
 from accounting.settings import AccountingSettings
@@ -18,18 +27,11 @@ from accounting.tenants import (
     UNLIMITED,
     AccountingError,
     InvalidQuotaError,
-    KeyNotFoundError,
     TenantExistsError,
     TenantNotFoundError,
-    authenticate,
-    create_key,
     create_tenant,
     get_tenant,
-    key_to_dict,
-    list_keys,
     list_tenants,
-    revoke_key,
-    rotate_key,
     set_tenant_disabled,
     tenant_to_dict,
     update_tenant,

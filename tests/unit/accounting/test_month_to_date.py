@@ -13,7 +13,9 @@ from sqlalchemy.orm import Session
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.month_to_date import month_bounds, month_to_date_tokens
 from accounting.tenants import create_tenant
-from accounting.usage import UsageRecord, insert_records, read_spooled
+from accounting.usage import UsageRecord
+from accounting.usage_commit import insert_records
+from accounting.usage_spool import read_spooled
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from accounting.api_keys import create_key, revoke_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant, revoke_key
+from accounting.tenants import create_tenant
 from gateway.api.errors import ApiError
 from gateway.auth.keys import KeyCache
 from workers.wire.files import load_or_create_admin_key

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory
-from accounting.tenants import create_key
 from ops.fake_worker import FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import chat, make_tenant_key, start_gateway
 

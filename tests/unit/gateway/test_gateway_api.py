@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key, create_tenant
+from accounting.tenants import create_tenant
 from gateway.api.openapi import BROWSER_PAGES
 from gateway.app import create_app
 from gateway.settings import GatewaySettings

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from accounting.api_keys import create_key
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.tenants import create_key
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tests.unit.accounting.test_billing import ACME_M1_COST, MONTH, seed

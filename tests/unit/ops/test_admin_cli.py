@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from accounting.api_keys import AuthRecord, authenticate
 from accounting.db import create_db_engine, session_factory
 from accounting.keys import hash_api_key, looks_like_api_key
 from accounting.settings import AccountingSettings
-from accounting.tenants import AuthRecord, authenticate, get_tenant
+from accounting.tenants import get_tenant
 from ops.cli import cli
 
 
