@@ -46,7 +46,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
-                        attention=settings.attention, scheduling=settings.scheduling)
+                        attention=settings.attention, scheduling=settings.scheduling,
+                        max_running_per_tenant=settings.max_running_per_tenant)
 
 
 def run_generate(

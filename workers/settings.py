@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from workers.wire.telemetry import TracingSettings
@@ -32,6 +33,9 @@ class WorkerSettings(TracingSettings):
     scheduling: Literal["fair", "fcfs"] = "fair"
     """Admission order when requests wait: fair (per-tenant virtual token counters, workers/engine/fairness.py;
     interactive before batch) or fcfs (interactive before batch, then longest cached prefix, then arrival)."""
+    max_running_per_tenant: int = Field(default=0, ge=0)
+    """Most sequences one tenant (cache namespace) may run at once on this worker; 0 = no cap. Others' requests
+    then find room in every step: a guard for fairness per worker and across a fleet (each worker caps alone)."""
     attention: Literal["auto", "cpu", "native", "triton", "reference"] = "auto"
     """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
     (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with

@@ -107,7 +107,7 @@ class Workload:
 
 def engine_for(loaded: LoadedModel, args: argparse.Namespace, policy: Policy) -> Engine:
     return Engine(loaded, EngineConfig(num_blocks=args.kv_blocks, max_batch_tokens=args.max_batch_tokens,
-                                       scheduling=policy))
+                                       scheduling=policy, max_running_per_tenant=args.tenant_cap))
 
 
 def run(loaded: LoadedModel, args: argparse.Namespace, name: str, policy: Policy, flood: bool,
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--short-output", type=int, default=32)
     parser.add_argument("--victim-prompt", type=int, default=16)
     parser.add_argument("--victim-output", type=int, default=4)
+    parser.add_argument("--tenant-cap", type=int, default=0,
+                        help="most running sequences per tenant (TOLLWAY_MAX_RUNNING_PER_TENANT; 0 = none)")
     parser.add_argument("--weighted", action="store_true", help="also a fair run with the second tenant at weight 2")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)

@@ -21,6 +21,11 @@ for the gaps that others keep filling), which holds back everyone until it fits.
 tenant cannot otherwise starve: its counter stays put while the others' grow. Preemption takes from
 the tenant furthest ahead (largest counter): batch first, then that tenant's newest sequence.
 Neither ever preempts a sequence already placed in the step's batch (the scheduler's `exclude`).
+
+A per-tenant cap on running sequences (`tenant_cap`, TOLLWAY_MAX_RUNNING_PER_TENANT; 0 = none), under
+either policy: a tenant with that many sequences running admits no more this step. Ordering alone
+cannot shrink a step that a flood fills; the cap keeps one tenant from filling it (issue 25: a
+lone victim's first token then waits on a step of at most `cap` flood sequences per tenant).
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ class AdmissionOrder:
     (True) or go on with the others."""
 
     def __init__(self, waiting: Iterable[Sequence], running: Iterable[Sequence], policy: Policy,
-                 vtc: VirtualTokenCounter, now: float, max_wait_s: float) -> None:
-        self.policy, self.vtc = policy, vtc
+                 vtc: VirtualTokenCounter, now: float, max_wait_s: float, tenant_cap: int = 0) -> None:
+        self.policy, self.vtc, self.tenant_cap = policy, vtc, tenant_cap
         self._now, self._max_wait_s = now, max_wait_s
         self._running = Counter(seq.namespace for seq in running)  # the tie-break between equal counters
         self._queues: dict[str, list[Sequence]] = {}  # by tenant (one queue under fcfs), best last
@@ -78,6 +83,15 @@ class AdmissionOrder:
     def admitted(self, seq: Sequence) -> None:
         """`seq` now runs (its tenant's count of running sequences goes up)."""
         self._running[seq.namespace] += 1
+
+    def at_cap(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tenant already runs `tenant_cap` sequences; under fair the rest of its
+        queue then waits for the next step (under fcfs the queue goes on past it)."""
+        if not self.tenant_cap or self._running[seq.namespace] < self.tenant_cap:
+            return False
+        if self.policy == "fair":
+            self._queues.pop(seq.namespace, None)
+        return True
 
     def refused(self, seq: Sequence) -> bool:
         """`seq` did not fit the free blocks: True when nothing more is admitted this step."""

@@ -67,6 +67,7 @@ class EngineConfig:
     kv_budget_bytes: int = 2 * 2**30
     max_batch_tokens: int = 1024
     max_running: int = 64
+    max_running_per_tenant: int = 0  # 0: no cap on one tenant's running sequences (admission.py)
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
@@ -95,7 +96,7 @@ class Engine:
         self.runner = ModelRunner(model, kv, backend,
                                   DecodeGraphs(model, kv, num_blocks, backend) if graphs else None)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
-                                   config.scheduling)
+                                   config.scheduling, config.max_running_per_tenant)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)

@@ -85,13 +85,14 @@ class StepUpdate:
 class Scheduler:
     def __init__(
         self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
-        policy: Policy = "fair",
+        policy: Policy = "fair", max_running_per_tenant: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.cache = cache  # the block pool + prefix tree pair; every block goes through it
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.policy = policy
+        self.max_running_per_tenant = max_running_per_tenant  # 0: no cap (workers/engine/admission.py)
         self.vtc = VirtualTokenCounter()  # kept under both policies (metrics); only `fair` orders by it
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -119,7 +120,8 @@ class Scheduler:
     def _admission_order(self, now: float) -> AdmissionOrder:
         for seq in self.waiting:
             seq.match_hint = self.cache.peek(seq.namespace, seq.all_ids)
-        return AdmissionOrder(self.waiting, self.running, self.policy, self.vtc, now, self.max_wait_s)
+        return AdmissionOrder(self.waiting, self.running, self.policy, self.vtc, now, self.max_wait_s,
+                              self.max_running_per_tenant)
 
     def _sits_out(self, seq: Sequence, now: float, interactive_present: bool) -> bool:
         """A batch sequence yields the step to interactive work, unless it has aged."""
@@ -156,7 +158,7 @@ class Scheduler:
         for seq in iter(order.next, None):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
-            if self._sits_out(seq, now, interactive_present):
+            if self._sits_out(seq, now, interactive_present) or order.at_cap(seq):
                 continue
             next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + bs]))
             if next_block in in_flight:

@@ -220,3 +220,26 @@ def test_preemption_takes_from_the_tenant_furthest_ahead() -> None:
     step(sched)  # all three hold 2 blocks; each needs a third on the next step
     step(sched)
     assert ahead in sched.waiting and behind.block_table is not None and third.block_table is not None
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_tenant_cap_keeps_a_flood_to_its_share_of_running_sequences(policy: str) -> None:
+    sched = Scheduler(KVCacheManager(256, 8), max_batch_tokens=512, policy=policy, max_running_per_tenant=3)
+    for _ in range(10):
+        sched.add(request("flood", 8, 50))
+    step(sched)
+    assert sum(s.namespace == "flood" for s in sched.running) == 3  # 7 wait though blocks and budget are free
+    victim = request("victim", 8, 2)
+    sched.add(victim)
+    assert step(sched) == [victim]
+    for _ in range(5):
+        step(sched)
+        assert sum(s.namespace == "flood" for s in sched.running) <= 3
+
+
+def test_without_a_cap_the_same_flood_fills_the_step() -> None:
+    sched = Scheduler(KVCacheManager(256, 8), max_batch_tokens=512, policy="fair")
+    for _ in range(10):
+        sched.add(request("flood", 8, 50))
+    step(sched)
+    assert sum(s.namespace == "flood" for s in sched.running) == 10
