@@ -137,7 +137,8 @@ def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: Sampli
             lines.append(line)
     if params.prompt_logprobs is not None:  # on choice 0's first line: -0.25 each, the top k as [id, logprob]
         lines[0]["prompt_logprobs"] = [-0.25] * (len(prompt) - 1)
-        lines[0]["prompt_top_logprobs"] = [[[t, -0.25 - j] for j in range(params.prompt_logprobs)] for t in prompt[1:]]
+        lines[0]["prompt_top_logprobs"] = [[[(t + j) % worker.vocab_size, -0.25 - j] for j in range(params.prompt_logprobs)]
+                                           for t in prompt[1:]]
     cached = worker.cached_tokens(namespace, prompt) if worker.cached_tokens else 0
     lines[-1]["usage"] = {"prompt_tokens": len(prompt), "cached_tokens": cached,
                           "completion_tokens": steps * params.n}
