@@ -63,13 +63,13 @@ def _builder(route: str, parsed: ParsedGeneration, created: int) -> Any:
                                              "tool_choice", "parallel_tool_calls", "text", "user") if name in raw}
         return ResponsesBuilder(parsed.request_id, entry.name, created, echo, tools=tools)
     kind: GenerationKind = "chat" if route == "chat.completions" else "completion"
-    echo = None
+    echoed = None
     if params.echo:  # the prompt as sent; token ids decoded
         text = params.prompt_text if params.prompt_text is not None else entry.tokenizer.decode(
             parsed.prompt, skip_special_tokens=False)
-        echo = EchoedPrompt(text, parsed.prompt)
+        echoed = EchoedPrompt(text, parsed.prompt)
     return ResponseBuilder(kind, parsed.request_id, entry.name, created, entry.tokenizer, params.logprobs is not None,
-                           tools=tools, echo=echo)
+                           tools=tools, echo=echoed)
 
 
 async def generation(request: web.Request, kind: GenerationKind, route: str) -> web.StreamResponse:

@@ -31,6 +31,7 @@ def token_ids(smollm2_folder: Path) -> list[int]:
 
 def eval_ppl(model_home: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> dict[str, Any]:
     monkeypatch.setenv("TOLLWAY_HOME", str(model_home))
+    monkeypatch.setenv("TOLLWAY_KV_CACHE_MB", "512")  # 11k tokens of fp32 KV: eight 1024-token windows at once
     result = CliRunner().invoke(cli, ["eval-ppl", "--dtype", "float32", "--json", *args, str(TEXT)])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)

@@ -8,9 +8,9 @@ the Python work per step is O(batch)."""
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass, field
+
+import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata

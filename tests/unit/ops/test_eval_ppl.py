@@ -32,6 +32,11 @@ def reference_nll(model, token_ids: list[int], windows: list[Window]) -> tuple[f
     return nll, count
 
 
+def use_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TOLLWAY_KV_CACHE_MB", "16")  # the tiny model's KV: plenty, without 2 GiB of zeros
+
+
 def test_windows_score_every_token_after_the_first_once() -> None:
     assert plan_windows(10, 4, 2) == [Window(0, 4, 1), Window(2, 6, 4), Window(4, 8, 6), Window(6, 10, 8)]
     assert plan_windows(10, 16, 8) == [Window(0, 10, 1)]  # shorter than a window: one window
@@ -66,7 +71,7 @@ def tiny_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, lis
 def test_perplexity_equals_transformers_on_the_same_windows(tiny_text, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     folder, text, token_ids = tiny_text
-    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    use_home(monkeypatch, tmp_path)
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "16")  # windows of 40 tokens in chunked prefills
     result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), "--dtype", "float32", "--window", "40",
                                       "--stride", "25", "--json", str(text)])
@@ -83,7 +88,7 @@ def test_perplexity_equals_transformers_on_the_same_windows(tiny_text, tmp_path:
 
 def test_the_table_names_the_figures(tiny_text, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, text, token_ids = tiny_text
-    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    use_home(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), "--dtype", "float32", str(text)])
     assert result.exit_code == 0, result.output
     lines = dict(line.split(maxsplit=1) for line in result.stdout.splitlines() if line.strip())
@@ -99,14 +104,14 @@ def test_the_table_names_the_figures(tiny_text, tmp_path: Path, monkeypatch: pyt
 def test_bad_windows_are_usage_errors(tiny_text, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       args: list[str], message: str) -> None:
     folder, text, _ = tiny_text
-    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    use_home(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), *args, str(text)])
     assert result.exit_code == 2 and message in result.output
 
 
 def test_a_text_of_one_token_is_a_usage_error(tiny_text, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder, _, _ = tiny_text
-    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    use_home(monkeypatch, tmp_path)
     (tmp_path / "one.txt").write_text("w5")
     result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), str(tmp_path / "one.txt")])
     assert result.exit_code == 2 and "at least 2 tokens" in result.output
