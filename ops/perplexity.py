@@ -64,7 +64,8 @@ def plan_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
         raise ValueError(f"the window must hold at least 2 tokens, got {window}")
     if not 1 <= stride < window:
         raise ValueError(f"the stride must be at least 1 and below the window ({window}), got {stride}")
-    windows, start, scored_from = [], 0, 1
+    windows: list[Window] = []
+    start, scored_from = 0, 1
     while True:
         end = min(start + window, num_tokens)
         windows.append(Window(start, end, scored_from))

@@ -55,7 +55,8 @@ class PromptLogprobs:
 
 def prompt_spans(seqs: Seq[Sequence], num_new: Seq[int]) -> list[PromptSpan]:
     """The spans of a step that computes `num_new[i]` tokens of `seqs[i]` (flat, in this order)."""
-    spans, flat = [], 0
+    spans: list[PromptSpan] = []
+    flat = 0
     for seq, n in zip(seqs, num_new, strict=True):
         start, done = seq.computed_len, len(seq.prompt_logprobs)
         if seq.params.prompt_logprobs is not None and start < seq.prompt_len - 1:
@@ -75,7 +76,9 @@ def compute(model: LlamaForCausalLM, hidden: torch.Tensor, spans: Seq[PromptSpan
     rows = torch.cat([torch.arange(s.flat_start, s.flat_start + len(s.targets), device=device) for s in spans])
     targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long, device=device)
     k = max(s.seq.params.prompt_logprobs or 0 for s in spans)
-    chosen, top_values, top_ids = [], [], []
+    chosen: list[torch.Tensor] = []
+    top_values: list[torch.Tensor] = []
+    top_ids: list[torch.Tensor] = []
     for start in range(0, rows.shape[0], SLICE_ROWS):
         logprobs = model.logits(hidden[rows[start : start + SLICE_ROWS]]).log_softmax(dim=-1)
         chosen.append(logprobs.gather(1, targets[start : start + SLICE_ROWS, None])[:, 0])
@@ -87,7 +90,8 @@ def compute(model: LlamaForCausalLM, hidden: torch.Tensor, spans: Seq[PromptSpan
     chosen_list = torch.cat(chosen).tolist()
     values_list = torch.cat(top_values).tolist() if k else []
     ids_list = torch.cat(top_ids).tolist() if k else []
-    results, at = [], 0
+    results: list[PromptLogprobs] = []
+    at = 0
     for span in spans:
         count, span_k = len(span.targets), span.seq.params.prompt_logprobs or 0
         top = [list(zip(ids_list[i][:span_k], values_list[i][:span_k], strict=True)) if span_k else []
