@@ -11,8 +11,10 @@ first token from (the runner's usual row), not a prompt logprob.
 
 Recompute, not store: a sequence that still needs prompt logprobs (`Sequence.needs_prompt_logprobs`)
 takes no prefix-cache hit at admission (the scheduler gives it an empty table): cached K/V holds no
-logits, so every prompt position is computed again; its blocks are still committed to the tree
-for others. A sequence preempted before its prompt logprobs are complete drops them and starts
+logits, so every prompt position is computed again. Its blocks stay its own while it runs and go
+to the tree when it leaves (finish or preemption), for later requests: committed while it runs,
+they would hang below cached blocks of the same prefix that it does not hold, blocks the pool
+counts as evictable and cannot evict (measured: a lone sequence then could not grow). A sequence preempted before its prompt logprobs are complete drops them and starts
 over (it recomputes from position 0 anyway); once complete they are kept, and a re-admission may
 hit the cache like any other. Storing logprobs beside cached blocks was declined: it would cost
 (1 + k) pairs per cached token for every request, for the few that ask.

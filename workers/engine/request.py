@@ -64,6 +64,10 @@ class Sequence:
     prompt_cached_len: int = 0
     computed_len: int = 0
     committed_blocks: int = 0  # whole blocks already offered to the prefix tree
+    # False: admitted without a prefix-cache hit (it computes prompt logprobs), its blocks stay its own
+    # until it leaves: committed while it runs, they would hang in the tree below cached blocks it does
+    # not hold, which then count as evictable and are not (cache/manager.py try_grow)
+    commits_blocks: bool = True
     block_table: BlockTable | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0

@@ -9,7 +9,8 @@ than `max_wait_s` is aged (no request waits without bound): under fcfs it goes a
 non-aged one, under fair it counts as interactive.
 Admission matches the prompt in the radix tree (hit/miss counted once per admission, not per
 attempt), locks the matched path and allocates blocks only for the rest; a sequence that still
-needs prompt logprobs matches nothing and computes its whole prompt (workers/engine/prompt_logprobs.py).
+needs prompt logprobs matches nothing, computes its whole prompt in blocks of its own and offers
+them to the tree only when it leaves (workers/engine/prompt_logprobs.py).
 Blocks come and go only through the cache facade (`cache.manager.KVCacheManager`).
 
 Batch priority yields: while any interactive sequence is running or waiting, batch sequences
@@ -151,7 +152,8 @@ class Scheduler:
         bs = self.cache.block_size
         in_flight = {  # running prefills count too (not those sitting out): their next block is committed soon
             (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
-            for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
+            for s in self.running if s.status is Status.RUNNING and s.commits_blocks
+            and s.committed_blocks * bs + bs <= s.prompt_len
             and not self._sits_out(s, now, interactive_present)
         }
         order = self._admission_order(now)
@@ -195,11 +197,10 @@ class Scheduler:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
         # seq now holds the matched blocks; the hit is counted below, once it is admitted. A sequence
         # still to compute prompt logprobs takes no hit: it needs every prompt position's logits
-        # (recompute, workers/engine/prompt_logprobs.py); its computed blocks are committed as usual.
-        if seq.needs_prompt_logprobs:
-            hit = self.cache.no_match()
-        else:
-            hit = self.cache.match_and_lock(seq.namespace, seq.all_ids, count=False)
+        # (recompute, workers/engine/prompt_logprobs.py); its blocks go to the tree when it leaves.
+        recompute = seq.needs_prompt_logprobs
+        hit = self.cache.no_match() if recompute else self.cache.match_and_lock(seq.namespace, seq.all_ids,
+                                                                                 count=False)
         table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
         copies = self.cache.try_grow(table, num_new)
@@ -218,6 +219,7 @@ class Scheduler:
             seq.prompt_cached_len = min(cached, seq.prompt_len)
             self.vtc.charge(seq.namespace, input_tokens=seq.prompt_len - seq.prompt_cached_len)
         seq.committed_blocks = hit.num_matched_blocks
+        seq.commits_blocks = not recompute
         seq.status = Status.RUNNING
         self._leave_waiting(seq)
         self.running.append(seq)
@@ -258,6 +260,7 @@ class Scheduler:
         child.block_table = self.cache.fork(parent.block_table)
         child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
         child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
+        child.commits_blocks = parent.commits_blocks
         child.prompt_logprobs, child.prompt_top_logprobs = parent.prompt_logprobs, parent.prompt_top_logprobs
         self.adopt_running(child)
         return child
@@ -268,7 +271,7 @@ class Scheduler:
         references; full blocks are never written again)."""
         table = seq.block_table
         full_blocks = seq.computed_len // self.cache.block_size
-        if table is None or full_blocks <= seq.committed_blocks:
+        if table is None or not seq.commits_blocks or full_blocks <= seq.committed_blocks:
             return
         self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
         seq.committed_blocks = full_blocks

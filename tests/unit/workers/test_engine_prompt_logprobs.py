@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from workers.engine import prompt_logprobs
 from workers.engine.engine import Delta, Engine, EngineConfig
 from workers.engine.request import FinishReason
+from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel, load_model
 from workers.wire.sampling import SamplingParams
 
@@ -119,18 +120,26 @@ def test_a_cached_prompt_is_recomputed_for_its_logprobs(tiny, reference, prompts
     assert_no_leaks(engine)
 
 
-def test_generation_beside_prompt_logprobs_is_unchanged(tiny, reference, prompts) -> None:
+def test_generation_beside_prompt_logprobs_is_unchanged(tiny, reference, prompts, monkeypatch) -> None:
     """Greedy and seeded n > 1 choices sample the same tokens with or without prompt logprobs; the
-    prompt's come once, on choice 0's first delta; preemption (12 blocks for four prompts) restarts
-    an incomplete set from position 0."""
+    prompt's come once, on choice 0's first delta; a preemption in the middle of a chunked prefill
+    (14 blocks of 8 for five requests, 16-token steps) drops an incomplete set, recomputed from 0."""
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=5, n=2, logprobs=2, ignore_eos=True)
     plain = run(Engine(tiny, EngineConfig(num_blocks=200)),
                 {f"g{i}": (p, greedy) for i, p in enumerate(prompts)} | {"s": (prompts[1], seeded)})
-    engine = Engine(tiny, EngineConfig(num_blocks=12, block_size=8))
+    preempted_incomplete = []
+    preempt = Scheduler.preempt
+
+    def recording_preempt(self: Scheduler, seq) -> None:
+        preempted_incomplete.append(seq.needs_prompt_logprobs)
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "preempt", recording_preempt)
+    engine = Engine(tiny, EngineConfig(num_blocks=14, block_size=8, max_batch_tokens=16))
     asking = run(engine, {f"g{i}": (p, replace(greedy, prompt_logprobs=3)) for i, p in enumerate(prompts)}
                  | {"s": (prompts[1], replace(seeded, prompt_logprobs=1))})
-    assert engine.scheduler.preemptions > 0
+    assert any(preempted_incomplete)
     for request_id, deltas in asking.items():
         for index in {d.index for d in deltas}:
             tokens = [t for d in deltas if d.index == index for t in d.token_ids]
@@ -140,6 +149,17 @@ def test_generation_beside_prompt_logprobs_is_unchanged(tiny, reference, prompts
         prompt = prompts[1] if request_id == "s" else prompts[int(request_id[1:])]
         assert_matches_reference(with_prompt[0], prompt, reference(prompt), 1 if request_id == "s" else 3)
     assert asking["s"][-1].usage is not None and asking["s"][-1].usage["completion_tokens"] == 12
+    assert_no_leaks(engine)
+
+
+def test_recomputed_blocks_never_strand_a_lone_sequence(tiny, prompts) -> None:
+    """Recomputing sequences keep their blocks out of the tree while they run: committed below the
+    cached copy of the shared 40-token prefix (held by no one, counted evictable, not evictable),
+    they left a lone 82-token sequence unable to grow in 12 blocks, finished early with `length`."""
+    engine = Engine(tiny, EngineConfig(num_blocks=12, block_size=8))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    deltas = run(engine, {f"g{i}": (p, params) for i, p in enumerate(prompts)})
+    assert [sum(len(d.token_ids) for d in ds) for ds in deltas.values()] == [12] * len(prompts)
     assert_no_leaks(engine)
 
 
