@@ -53,9 +53,9 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
     from workers.wire.tokenizer import TextTokenizer
 
     settings = WorkerSettings()
-    quantization = quantization or getattr(settings, "quantization", "none")
-    if quantization != "none" and not quantization_available():
-        raise click.UsageError(f"--quantization {quantization} is not available in this build "
+    wanted = quantization or str(getattr(settings, "quantization", "none"))
+    if wanted != "none" and not quantization_available():
+        raise click.UsageError(f"--quantization {wanted} is not available in this build "
                                "(its loader has no weight quantization); use --quantization none")
     stderr = Console(stderr=True)
     model = model or settings.model
@@ -63,7 +63,7 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(f"cannot read {file} as UTF-8 text: {exc}") from exc
-    loaded = load_named_model(settings, model, dtype or settings.dtype, stderr, quantization)
+    loaded = load_named_model(settings, model, dtype or settings.dtype, stderr, wanted)
     tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
     token_ids = tokenizer.encode(text)
     engine = Engine(loaded, engine_config(settings), name=model)
@@ -86,7 +86,7 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
             raise click.ClickException(str(exc)) from exc
     elapsed = time.perf_counter() - started
     dtype_name = str(loaded.model.dtype).removeprefix("torch.")
-    report(result, file, model, dtype_name, quantization, window, stride, elapsed, as_json)
+    report(result, file, model, dtype_name, wanted, window, stride, elapsed, as_json)
 
 
 def report(result: Perplexity, file: Path, model: str, dtype: str, quantization: str, window: int, stride: int,
