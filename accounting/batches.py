@@ -101,7 +101,7 @@ def estimate_line_tokens(body: dict[str, Any]) -> int:
     prompt = body.get("messages", body.get("prompt", [body.get("instructions", ""), body.get("input", "")]))
     prompt_estimate = len(json.dumps(prompt, ensure_ascii=False).encode()) // PROMPT_BYTES_PER_TOKEN + 1
     completion = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
-    if isinstance(completion, bool) or not isinstance(completion, int) or completion < 1:
+    if isinstance(completion, bool) or not isinstance(completion, int) or completion < 0:  # 0: echo, prompt alone
         completion = DEFAULT_COMPLETION_ESTIMATE
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -11,6 +11,7 @@ prompt locks the matched path, so those blocks cannot be evicted while the seque
 A sequence's life through the facade:
   peek               prompt tokens the tree would serve now (a scheduling hint; changes nothing)
   match_and_lock     a new table on the matched, locked blocks (+ a copy of a partly matching block)
+  no_match           a new empty table (a sequence that recomputes its whole prompt)
   count_match        count a match in the hit/miss stats (when match_and_lock was told not to)
   try_grow           room for the next tokens (copy-on-write of a shared last block included)
   fork               a child table sharing every block (parallel sampling, n > 1)
@@ -89,6 +90,11 @@ class KVCacheManager:
             copies = [(source, block_ids[-1])]
         table = BlockTable(self.pool, block_ids, cached_len)
         return PrefixHit(table, cached_len, match.cached_len // self.block_size, copies)
+
+    def no_match(self) -> PrefixHit:
+        """A new empty table, as if nothing were cached: for a sequence that must compute its whole
+        prompt (it wants every prompt position's logits). It may still `commit` its blocks."""
+        return PrefixHit(BlockTable(self.pool, [], 0), 0, 0, [])
 
     def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
         """Add a match (num_tokens looked up, the first cached_len served from whole cached blocks)

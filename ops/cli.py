@@ -14,6 +14,7 @@ from rich.console import Console
 from ops.admin_cli import keys, tenants
 from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
+from ops.eval_cli import eval_ppl
 
 stderr = Console(stderr=True)
 
@@ -112,6 +113,7 @@ cli.add_command(prices)
 
 
 cli.add_command(batch)
+cli.add_command(eval_ppl)
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ It serves the same internal HTTP API as the real worker (`workers/server/app.py`
 request validation, 400 shape, NDJSON stream shape and `/internal/info` keys, but streams canned
 tokens at once (or every `delay_s`): token i of each choice has id i and text " tok{i}", the last
 one finishes with "length", and the request's last line adds usage (with `"stream": false`, one joined
-line per choice at the end, as the real worker). Sampling fields other than
-`max_tokens`, `n` and `logprobs` are validated and then ignored. Hooks for gateway tests: every
+line per choice at the end, as the real worker; `max_tokens` 0: one line, no token). Sampling fields
+other than `max_tokens`, `n`, `logprobs` and `prompt_logprobs` (-0.25 for every prompt token) are
+validated and then ignored. Hooks for gateway tests: every
 received JSON body is recorded in `requests` (its trace headers in `trace_headers`; as a process,
 `--record-bodies` keeps them too, else only their count);
 `fail_after_tokens` drops the connection after that many lines (a worker dying mid-stream: on the
@@ -115,7 +116,7 @@ def parse_generate(worker: FakeWorker, body: Any) -> protocol.GenerateRequest:
         raise protocol.BadRequest("the prompt has no tokens")
     if any(not 0 <= t < worker.vocab_size for t in prompt):
         raise protocol.BadRequest(f"prompt token ids must be in [0, {worker.vocab_size})")
-    if len(prompt) >= worker.context_length:
+    if len(prompt) > worker.context_length - (parsed.params.max_tokens > 0):
         raise protocol.BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {worker.context_length}")
     if request_id in worker.running:
         raise protocol.BadRequest(f"request id {request_id!r} is already running")
@@ -125,7 +126,7 @@ def parse_generate(worker: FakeWorker, body: Any) -> protocol.GenerateRequest:
 def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: SamplingParams) -> list[dict[str, Any]]:
     """Every line of one request's stream, choices interleaved step by step as the engine does."""
     steps = min(params.max_tokens, worker.context_length - len(prompt))
-    lines = []
+    lines: list[dict[str, Any]] = [] if steps else [{"index": 0, "token_ids": [], "text": "", "finish_reason": "length"}]
     for i in range(steps):
         for index in range(params.n):
             line: dict[str, Any] = {"index": index, "token_ids": [i], "text": f" tok{i}",
@@ -134,6 +135,10 @@ def _lines(worker: FakeWorker, namespace: str, prompt: list[int], params: Sampli
                 line["logprobs"] = [-0.5]
                 line["top_logprobs"] = [[[i + j, -0.5 - j] for j in range(params.logprobs)]]
             lines.append(line)
+    if params.prompt_logprobs is not None:  # on choice 0's first line: -0.25 each, the top k as [id, logprob]
+        lines[0]["prompt_logprobs"] = [-0.25] * (len(prompt) - 1)
+        lines[0]["prompt_top_logprobs"] = [[[(t + j) % worker.vocab_size, -0.25 - j] for j in range(params.prompt_logprobs)]
+                                           for t in prompt[1:]]
     cached = worker.cached_tokens(namespace, prompt) if worker.cached_tokens else 0
     lines[-1]["usage"] = {"prompt_tokens": len(prompt), "cached_tokens": cached,
                           "completion_tokens": steps * params.n}

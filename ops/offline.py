@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 import torch
@@ -22,9 +23,10 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
-def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
+def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console,
+                     quantization: str = "none") -> LoadedModel:
     """Resolve (converting once if needed) and load a model onto the settings' device, with progress
-    on the console."""
+    on the console. `quantization` other than none goes to a loader that takes it (callers check)."""
     set_threads(settings.num_threads)
     try:
         device = resolve_device(settings.device)
@@ -39,7 +41,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
                     f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
                 ),
             )
-            return load_model(folder, resolve_dtype(dtype, device), device)
+            quantized: dict[str, Any] = {"quantization": quantization} if quantization != "none" else {}
+            return load_model(folder, resolve_dtype(dtype, device), device, **quantized)
     except (ModelNotFoundError, ModelFolderError) as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -32,7 +32,9 @@ SCHEMAS: dict[str, Any] = {
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
     "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
         **_SAMPLING, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "echo": {"type": "boolean", "description": "the prompt (and with logprobs its tokens' logprobs) first"},
+        "max_tokens": {"type": "integer", "minimum": 0, "description": "0 only with echo: the prompt alone"}}},
     "ResponseCreateRequest": {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string"}, "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
         "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},

@@ -1,7 +1,9 @@
 """Validation of OpenAI request bodies into what a worker needs (pure: no I/O).
 
 Every bad field is a 400 naming the parameter. Fields the engine cannot honour (legacy `functions`,
-logit_bias, `echo`, ...) are refused clearly rather than silently ignored. Structured outputs
+logit_bias, `suffix`, ...) are refused clearly rather than silently ignored. Completions take `echo`
+(the prompt before the completion; with `logprobs`, the prompt tokens' logprobs too, as evaluation
+harnesses ask for them) and then `max_tokens` 0 (the prompt alone). Structured outputs
 (`response_format`) and tools become the request's grammar (gateway/openai/structured.py, tools.py). tollway also takes vLLM-style
 extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`), which the SDK sends via `extra_body`.
 """
@@ -42,6 +44,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None = off; k = chosen token plus top k
+    echo: bool = False  # completions: the prompt comes first in each choice's text (and logprobs)
     sampling: dict[str, Any] = field(default_factory=dict)  # worker sampling fields, without max_tokens
     user: str | None = None
     grammar: GrammarSpec | None = None  # what the output must match (response_format or tools)
@@ -240,11 +243,17 @@ def parse_request(kind: GenerationKind, body: Any) -> GenerationRequest:
             raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         request.prompt_text, request.prompt_ids = _prompt(body)
-        request.max_tokens = _integer(body, "max_tokens", 1)
+        request.echo = _boolean(body, "echo")
+        request.max_tokens = _integer(body, "max_tokens", 0)
         request.logprobs = _integer(body, "logprobs", 0, 5)
-        if _boolean(body, "echo"):
-            raise invalid("'echo' is not supported by this server", "echo")
+        if request.max_tokens == 0 and not request.echo:
+            raise invalid("'max_tokens' must be at least 1 (0 is allowed with 'echo': true: the prompt alone)",
+                          "max_tokens")
+        if request.max_tokens == 0 and request.n > 1:
+            raise invalid("'max_tokens' 0 (the echoed prompt alone) takes 'n' 1", "n")
     request.stream = _boolean(body, "stream")
+    if request.echo and request.stream and request.n > 1:
+        raise invalid("'echo' with 'n' > 1 cannot be streamed; send 'stream': false or 'n': 1", "echo")
     options = body.get("stream_options")
     if options is not None:
         if not request.stream:

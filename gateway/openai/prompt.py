@@ -110,6 +110,8 @@ def worker_body(parsed: ParsedGeneration, caller: Caller, started_at: datetime,
     sampling = {**params.sampling, "max_tokens": parsed.max_tokens}
     if params.logprobs is not None:
         sampling["logprobs"] = params.logprobs
+        if params.echo:  # the prompt tokens' logprobs too (the engine recomputes a cached prompt for them)
+            sampling["prompt_logprobs"] = params.logprobs
     billing: Billing = {"tenant_id": caller.tenant_id, "key_id": caller.key_id, "model": parsed.entry.name,
                         "batch_id": caller.batch_id, "started_at": started_at.isoformat(), "route": route}
     return generate_body(parsed.request_id, namespace_of(caller), parsed.prompt, sampling,

@@ -3,6 +3,13 @@
 A worker delta is `{index, token_ids, text, finish_reason[, logprobs, top_logprobs][, usage]}`:
 `logprobs[i]` is the chosen token's log-probability for `token_ids[i]` and `top_logprobs[i]` its
 alternatives as `[token_id, logprob]` pairs. Token ids become strings with the gateway's tokenizer.
+
+Completions with `echo`: each choice's text starts with the prompt (its text as sent; a prompt of
+token ids decoded), and with `logprobs` its logprobs start with the prompt tokens', taken from the
+`prompt_logprobs` of choice 0's first line (workers/wire/generate.py): the first prompt token's
+logprob and top logprobs are null, as OpenAI's; `text_offset` counts each token's text from 0 and
+the generated tokens go on from the prompt text's length. Streamed (n = 1 only), the prompt is a
+chunk of its own before the choice's first one.
 """
 
 from __future__ import annotations
@@ -51,6 +58,33 @@ def completion_logprobs(tokenizer: TextTokenizer, delta: dict[str, Any], text_of
     tops = delta.get("top_logprobs") or [[] for _ in tokens]
     return {"tokens": tokens, "token_logprobs": list(delta["logprobs"]),
             "top_logprobs": [{_token_text(tokenizer, alt): lp for alt, lp in top} for top in tops],
+            "text_offset": offsets}
+
+
+@dataclass
+class EchoedPrompt:
+    """A completions request's prompt when `echo` is on: it opens every choice."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: dict[str, list[Any]] | None = None  # the prompt tokens' logprobs object, once a line brought them
+
+
+def prompt_logprobs(tokenizer: TextTokenizer, token_ids: list[int], line: dict[str, Any]) -> dict[str, list[Any]]:
+    """The legacy `logprobs` object of the prompt tokens from a worker line's `prompt_logprobs`
+    (one per prompt token after the first); all null when the line has none (a request that ended
+    before its prompt was computed)."""
+    tokens = [_token_text(tokenizer, t) for t in token_ids]
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    values, tops = line.get("prompt_logprobs"), line.get("prompt_top_logprobs")
+    if values is None:
+        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
+                "text_offset": offsets}
+    top_dicts = [{_token_text(tokenizer, alt): lp for alt, lp in top} for top in tops or [[] for _ in values]]
+    return {"tokens": tokens, "token_logprobs": [None, *values], "top_logprobs": [None, *top_dicts],
             "text_offset": offsets}
 
 
@@ -104,13 +138,23 @@ class ResponseBuilder:
     logprobs: bool
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     tools: bool = False  # parse tool calls out of the output (gateway/openai/tools.py)
-    _opened: set[int] = field(default_factory=set)  # chat choices whose role chunk was streamed
+    echo: EchoedPrompt | None = None  # completions with `echo`: the prompt opens every choice
+    _opened: set[int] = field(default_factory=set)  # choices whose opening chunk (chat: role; echo) was streamed
 
     def _choice(self, index: int) -> ChoiceState:
         state = self.choices.get(index)
         if state is None:
             state = self.choices[index] = ChoiceState(parser=ToolCallParser() if self.tools else None)
+            if self.echo is not None:  # generated tokens' text offsets go on after the prompt's text
+                state.text_len = len(self.echo.text)
         return state
+
+    def _echo_logprobs(self, line: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+        """The prompt tokens' logprobs object: from `line` when it brings them, else as known."""
+        assert self.echo is not None
+        if (line is not None and "prompt_logprobs" in line) or self.echo.logprobs is None:
+            self.echo.logprobs = prompt_logprobs(self.tokenizer, self.echo.token_ids, line or {})
+        return self.echo.logprobs
 
     def _logprobs_of(self, delta: dict[str, Any], state: ChoiceState) -> Any:
         if not self.logprobs or delta.get("logprobs") is None:
@@ -127,6 +171,8 @@ class ResponseBuilder:
     def absorb(self, delta: dict[str, Any]) -> Any:
         """Record one delta; returns its logprobs object (or None) for a streamed chunk."""
         state = self._choice(delta["index"])
+        if self.echo is not None and self.logprobs and "prompt_logprobs" in delta:
+            self._echo_logprobs(delta)
         logprobs = self._logprobs_of(delta, state)
         text, events = delta["text"], list[Event]()
         if state.parser is not None:
@@ -169,12 +215,24 @@ class ResponseBuilder:
     def stream_start(self) -> bytes:
         return b""
 
+    def echo_chunk(self, line: dict[str, Any]) -> dict[str, Any]:
+        """A streamed echo opens its choice with the prompt (and its logprobs, from this first line)."""
+        assert self.echo is not None
+        logprobs = self._echo_logprobs(line) if self.logprobs else None
+        return {**self._header("text_completion"),
+                "choices": [{"index": line["index"], "text": self.echo.text, "logprobs": logprobs,
+                             "finish_reason": None}]}
+
     def stream_line(self, line: dict[str, Any]) -> bytes:
-        """The SSE bytes of one worker line (chat opens each choice with its role chunk)."""
+        """The SSE bytes of one worker line (chat opens each choice with its role chunk, an echo
+        with its prompt)."""
         head = b""
-        if self.kind == "chat" and line["index"] not in self._opened:
+        if line["index"] not in self._opened:
             self._opened.add(line["index"])
-            head = sse(self.role_chunk(line["index"]))
+            if self.kind == "chat":
+                head = sse(self.role_chunk(line["index"]))
+            elif self.echo is not None:
+                head = sse(self.echo_chunk(line))
         return head + sse(self.chunk(line))
 
     def stream_end(self, usage: dict[str, int], include_usage: bool) -> bytes:
@@ -199,6 +257,11 @@ class ResponseBuilder:
                                 "finish_reason": state.finish_reason})
             else:
                 logprobs = state.completion_logprobs if self.logprobs else None
+                if self.echo is not None:
+                    text = self.echo.text + text
+                    if logprobs is not None:
+                        prompt = self._echo_logprobs()
+                        logprobs = {key: prompt[key] + values for key, values in logprobs.items()}
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": state.finish_reason})
         name = "chat.completion" if self.kind == "chat" else "text_completion"

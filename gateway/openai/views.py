@@ -27,7 +27,7 @@ from gateway.observability.request_telemetry import TELEMETRY, observed
 from gateway.observability.tracing import NO_SPAN, TRACING
 from gateway.openai.params import GenerationKind
 from gateway.openai.prompt import ParsedGeneration, namespace_of, parse_generation, worker_body
-from gateway.openai.responses import ResponseBuilder
+from gateway.openai.responses import EchoedPrompt, ResponseBuilder
 from gateway.openai.responses_api import ResponsesBuilder, parse_responses
 from gateway.quotas.admission import admit
 from gateway.upstream.exchange import Exchange
@@ -63,8 +63,13 @@ def _builder(route: str, parsed: ParsedGeneration, created: int) -> Any:
                                              "tool_choice", "parallel_tool_calls", "text", "user") if name in raw}
         return ResponsesBuilder(parsed.request_id, entry.name, created, echo, tools=tools)
     kind: GenerationKind = "chat" if route == "chat.completions" else "completion"
+    echoed = None
+    if params.echo:  # the prompt as sent; token ids decoded
+        text = params.prompt_text if params.prompt_text is not None else entry.tokenizer.decode(
+            parsed.prompt, skip_special_tokens=False)
+        echoed = EchoedPrompt(text, parsed.prompt)
     return ResponseBuilder(kind, parsed.request_id, entry.name, created, entry.tokenizer, params.logprobs is not None,
-                           tools=tools)
+                           tools=tools, echo=echoed)
 
 
 async def generation(request: web.Request, kind: GenerationKind, route: str) -> web.StreamResponse:

@@ -46,6 +46,9 @@ class Delta:
     text: str = ""
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.prompt_logprobs: on choice 0's first delta once the prompt is computed (Sequence.prompt_logprobs)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     index: int = 0
@@ -142,7 +145,8 @@ class Engine:
         vocab = self.loaded.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_context:
+        # the prompt leaves room for one generated token, unless none is asked for (prefill only)
+        if len(prompt_ids) > self.max_context - (params.max_tokens > 0):
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
         if params.grammar is not None:
             self.grammars.compile(params.grammar)  # GrammarError (a ValueError) when refused; cached
@@ -163,9 +167,10 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
-        """schedule → run the model → update (the scheduler's: computed lengths, prefix commits, forks
-        of n > 1 choices) → sample → deltas. The update comes before sampling because a forked
-        choice draws its first token from its parent's logits in the same draw."""
+        """schedule → run the model (and keep the prompt logprobs it computed) → update (the
+        scheduler's: computed lengths, prefix commits, forks of n > 1 choices) → end the max_tokens 0
+        requests whose prompt is computed → sample → deltas. The update comes before sampling
+        because a forked choice draws its first token from its parent's logits in the same draw."""
         phases = self._phases
         if phases is not None:
             start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
@@ -176,15 +181,20 @@ class Engine:
         if not batch.seqs:
             return deltas
         masks = self.masks.start(batch.sampling)  # grammar masks fill while the model runs
-        logits = self.runner.run(batch)
+        output = self.runner.run(batch)
+        for part in output.prompt_logprobs:  # before the update: forked choices share these lists
+            part.seq.prompt_logprobs.extend(part.logprobs)
+            part.seq.prompt_top_logprobs.extend(part.top)
         update = self.scheduler.update(batch)
         if phases is not None:
             phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
+        deltas += [self._prefilled(seq) for seq in batch.seqs
+                   if seq.params.max_tokens == 0 and seq.computed_len == seq.total_len]
         if not update.sampling:
             return deltas
         if masks is not None and update.forks:
             masks.result()  # forking reads the parents' matchers: not while the helper fills from them
-        sampling, logits = self._start_forks(update, logits)
+        sampling, logits = self._start_forks(update, output.logits)
         constrain = None
         if masks is not None or any(fork.child.matcher is not None for fork in update.forks):
             def constrain(work: torch.Tensor) -> None:
@@ -214,10 +224,12 @@ class Engine:
         """Append the token sampled in `row`, then check stops: a stop token (not emitted), a stop
         string, the length."""
         token = result.token_ids[row]
+        delta = Delta(seq.request_id, [token], index=seq.index)
+        if not seq.output_ids:
+            self._attach_prompt_logprobs(seq, delta)
         seq.output_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        delta = Delta(seq.request_id, [token], index=seq.index)
         if result.logprobs is not None and seq.params.logprobs is not None:
             delta.logprobs = [result.logprobs[row]]
             delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
@@ -237,6 +249,20 @@ class Engine:
             self.scheduler.finish(seq, FinishReason.LENGTH)
             return self._final_delta(seq, delta)
         return delta
+
+    def _prefilled(self, seq: Sequence) -> Delta:
+        """A max_tokens 0 request whose prompt is now computed: it ends ("length") with no token."""
+        delta = Delta(seq.request_id, index=seq.index)
+        self._attach_prompt_logprobs(seq, delta)
+        self.scheduler.finish(seq, FinishReason.LENGTH)
+        return self._final_delta(seq, delta)
+
+    @staticmethod
+    def _attach_prompt_logprobs(seq: Sequence, delta: Delta) -> None:
+        """The prompt's logprobs go out once, on choice 0's first delta after its prompt is computed."""
+        if seq.params.prompt_logprobs is not None and seq.index == 0:
+            delta.prompt_logprobs = list(seq.prompt_logprobs)  # the delta crosses to the event loop's thread
+            delta.prompt_top_logprobs = list(seq.prompt_top_logprobs)
 
     def _final_delta(self, seq: Sequence, delta: Delta, flush: bool = True) -> Delta:
         """Close one choice; the request's last open choice also reports usage and retires it."""

@@ -2,9 +2,9 @@
 
 Lengths (tokens): `prompt_len` of the prompt; `output_len` generated so far; `total_len` =
 prompt + output; `cached_len` served by the prefix cache at admission (whole blocks, never the
-last prompt token); `computed_len` whose K/V is in the sequence's blocks. Invariants:
-cached_len <= computed_len <= total_len, and a running sequence is decoding once
-computed_len == total_len - 1 (the newest token is the next input).
+last prompt token; 0 while prompt logprobs are still to compute); `computed_len` whose K/V is in
+the sequence's blocks. Invariants: cached_len <= computed_len <= total_len, and a running
+sequence is decoding once computed_len == total_len - 1 (the newest token is the next input).
 
 Ownership: a running sequence owns one pool reference on each block of `block_table`
 (including the prefix-cache blocks it locked at admission); finishing or preemption gives them
@@ -64,6 +64,10 @@ class Sequence:
     prompt_cached_len: int = 0
     computed_len: int = 0
     committed_blocks: int = 0  # whole blocks already offered to the prefix tree
+    # False: admitted without a prefix-cache hit (it computes prompt logprobs), its blocks stay its own
+    # until it leaves: committed while it runs, they would hang in the tree below cached blocks it does
+    # not hold, which then count as evictable and are not (cache/manager.py try_grow)
+    commits_blocks: bool = True
     block_table: BlockTable | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
@@ -75,6 +79,11 @@ class Sequence:
     # None when the output is unconstrained. Preemption keeps output_ids, so it keeps this too.
     matcher: Any = None
     weight: float = 1.0  # the tenant's share of service (workers/engine/fairness.py); set by the gateway
+    # With params.prompt_logprobs: prompt_logprobs[i] is the log-probability of prompt_ids[i + 1] and
+    # prompt_top_logprobs[i] the top k there, filled chunk by chunk (workers/engine/prompt_logprobs.py);
+    # dropped by a preemption that comes before they are complete. Forked choices share their parent's.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -95,6 +104,12 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.computed_len < self.total_len - 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the sequence computes its whole prompt
+        (the scheduler gives it no prefix-cache hit)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def finished(self) -> bool:

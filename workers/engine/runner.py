@@ -1,5 +1,6 @@
 """Runs a scheduled batch through the model: block copies, the step's metadata (on the engine's
-attention backend), one forward, the logits of the sequences that sample.
+attention backend), one forward, the logits of the sequences that sample, and the prompt
+logprobs of the prefill chunks that ask for them (workers/engine/prompt_logprobs.py).
 
 The step's block tables come from persistent rows (`table_rows.BlockTableRows`) updated only where a
 table changed; positions and slots are tensor ops over them (`PagedAttentionMetadata.from_tables`):
@@ -7,14 +8,24 @@ the Python work per step is O(batch)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
+from workers.engine import prompt_logprobs
 from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.prompt_logprobs import PromptLogprobs
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.table_rows import BlockTableRows
 from workers.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # fp32 [len(batch.sampling), V]: the sampling sequences' rows, in batch order
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # this step's, per asking sequence
 
 
 class ModelRunner:
@@ -25,9 +36,10 @@ class ModelRunner:
         self.table_rows = BlockTableRows(model.device)
         self.graphs = graphs  # captured decode steps (CUDA only); None: every step eager
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch) -> StepOutput:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
-        sequences that reach their newest token (they sample next), in batch order."""
+        sequences that reach their newest token (they sample next), in batch order, and the prompt
+        logprobs of the prompt positions computed in this step by sequences that ask for them."""
         self.kv.copy_blocks(batch.block_copies)
         tokens: list[int] = []
         context_lens, tables, sampling_rows = [], [], []
@@ -45,8 +57,14 @@ class ModelRunner:
         last_token = (meta.query_start[1:] - 1).long()
         wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        spans = prompt_logprobs.prompt_spans(batch.seqs, batch.num_new)
+        if spans:  # the hidden states of every prompt position asked for, reduced slice by slice
+            hidden = self.model.hidden_states(input_ids, self.kv, meta)
+            with torch.inference_mode():
+                logits = self.model.logits(hidden[wanted])
+            return StepOutput(logits, prompt_logprobs.compute(self.model, hidden, spans))
         if self.graphs is not None:
-            logits = self.graphs.run(input_ids, meta, wanted)
-            if logits is not None:
-                return logits
-        return self.model(input_ids, self.kv, meta, wanted)  # [0, V] when only partial prefills ran
+            graph_logits = self.graphs.run(input_ids, meta, wanted)
+            if graph_logits is not None:
+                return StepOutput(graph_logits)
+        return StepOutput(self.model(input_ids, self.kv, meta, wanted))  # [0, V] when only partial prefills ran

@@ -8,8 +8,10 @@ batch, then longest cached prefix, then arrival. Under both, a sequence that has
 than `max_wait_s` is aged (no request waits without bound): under fcfs it goes ahead of every
 non-aged one, under fair it counts as interactive.
 Admission matches the prompt in the radix tree (hit/miss counted once per admission, not per
-attempt), locks the matched path and allocates blocks only for the rest. Blocks come and go only
-through the cache facade (`cache.manager.KVCacheManager`).
+attempt), locks the matched path and allocates blocks only for the rest; a sequence that still
+needs prompt logprobs matches nothing, computes its whole prompt in blocks of its own and offers
+them to the tree only when it leaves (workers/engine/prompt_logprobs.py).
+Blocks come and go only through the cache facade (`cache.manager.KVCacheManager`).
 
 Batch priority yields: while any interactive sequence is running or waiting, batch sequences
 (running or waiting) sit out the step, keeping their blocks, unless they have aged past
@@ -46,13 +48,14 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # one-token sequences first
     num_new: list[int] = field(default_factory=list)  # tokens each runs this step
     # whether each reaches its newest token this step (computed_len + num_new == total_len): it samples
+    # (unless it asked for max_tokens 0: the engine finishes it once its prompt is computed)
     samples: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
 
     def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
-        self.samples.append(seq.computed_len + num_new == seq.total_len)
+        self.samples.append(seq.computed_len + num_new == seq.total_len and seq.params.max_tokens > 0)
         self.block_copies.extend(copies)
 
     def ordered(self) -> ScheduledBatch:
@@ -119,7 +122,7 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> AdmissionOrder:
         for seq in self.waiting:
-            seq.match_hint = self.cache.peek(seq.namespace, seq.all_ids)
+            seq.match_hint = 0 if seq.needs_prompt_logprobs else self.cache.peek(seq.namespace, seq.all_ids)
         return AdmissionOrder(self.waiting, self.running, self.policy, self.vtc, now, self.max_wait_s,
                               self.max_running_per_tenant)
 
@@ -151,7 +154,8 @@ class Scheduler:
         bs = self.cache.block_size
         in_flight = {  # running prefills count too (not those sitting out): their next block is committed soon
             (s.namespace, tuple(s.all_ids[: s.committed_blocks * bs + bs]))
-            for s in self.running if s.status is Status.RUNNING and s.committed_blocks * bs + bs <= s.prompt_len
+            for s in self.running if s.status is Status.RUNNING and s.commits_blocks
+            and s.committed_blocks * bs + bs <= s.prompt_len
             and not self._sits_out(s, now, interactive_present)
         }
         order = self._admission_order(now)
@@ -193,8 +197,12 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
-        # seq now holds the matched blocks; the hit is counted below, once it is admitted
-        hit = self.cache.match_and_lock(seq.namespace, seq.all_ids, count=False)
+        # seq now holds the matched blocks; the hit is counted below, once it is admitted. A sequence
+        # still to compute prompt logprobs takes no hit: it needs every prompt position's logits
+        # (recompute, workers/engine/prompt_logprobs.py); its blocks go to the tree when it leaves.
+        recompute = seq.needs_prompt_logprobs
+        hit = self.cache.no_match() if recompute else self.cache.match_and_lock(seq.namespace, seq.all_ids,
+                                                                                 count=False)
         table, cached = hit.table, hit.cached_len
         num_new = min(seq.total_len - cached, budget)
         copies = self.cache.try_grow(table, num_new)
@@ -213,6 +221,7 @@ class Scheduler:
             seq.prompt_cached_len = min(cached, seq.prompt_len)
             self.vtc.charge(seq.namespace, input_tokens=seq.prompt_len - seq.prompt_cached_len)
         seq.committed_blocks = hit.num_matched_blocks
+        seq.commits_blocks = not recompute
         seq.status = Status.RUNNING
         self._leave_waiting(seq)
         self.running.append(seq)
@@ -253,6 +262,8 @@ class Scheduler:
         child.block_table = self.cache.fork(parent.block_table)
         child.computed_len, child.cached_len = parent.computed_len, parent.cached_len
         child.prompt_cached_len, child.committed_blocks = parent.prompt_cached_len, parent.committed_blocks
+        child.commits_blocks = parent.commits_blocks
+        child.prompt_logprobs, child.prompt_top_logprobs = parent.prompt_logprobs, parent.prompt_top_logprobs
         self.adopt_running(child)
         return child
 
@@ -262,7 +273,7 @@ class Scheduler:
         references; full blocks are never written again)."""
         table = seq.block_table
         full_blocks = seq.computed_len // self.cache.block_size
-        if table is None or full_blocks <= seq.committed_blocks:
+        if table is None or not seq.commits_blocks or full_blocks <= seq.committed_blocks:
             return
         self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
         seq.committed_blocks = full_blocks
@@ -279,6 +290,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self._cache_and_release(seq)
         self.running.remove(seq)
+        if seq.needs_prompt_logprobs:  # incomplete: it computes its prompt again from position 0
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [], []
         seq.computed_len = seq.cached_len = seq.committed_blocks = 0
         seq.num_preemptions += 1
         self.preemptions += 1

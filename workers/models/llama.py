@@ -115,6 +115,15 @@ class LlamaForCausalLM(nn.Module):
         tokens whose logits are wanted (e.g. each sequence's last new token) -> [len, V]; None
         returns logits for every token ([N, V]).
         """
+        hidden = self.hidden_states(input_ids, kv, meta)
+        if logit_indices is not None:
+            hidden = hidden[logit_indices]
+        return self.logits(hidden)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """The final hidden states [N, H] (fp32, before the last norm) of a step's new tokens, their
+        K/V written into `kv`; `logits` turns any rows of them into logits."""
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
@@ -124,9 +133,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
             for layer in self.layers:
                 hidden = layer(hidden, cos, sin, kv, meta)
-        if logit_indices is not None:
-            hidden = hidden[logit_indices]
-        return self.logits(hidden)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of fp32 hidden states [n, H] -> [n, V].

@@ -1,7 +1,8 @@
 """The worker's internal HTTP API for the gateway (aiohttp).
 
 POST /internal/generate  JSON {request_id, namespace, prompt_token_ids, sampling, priority[, stream][, weight]}
-                         -> NDJSON deltas {index, token_ids, text, finish_reason[, logprobs]}
+                         -> NDJSON deltas {index, token_ids, text, finish_reason[, logprobs]
+                         [, prompt_logprobs]} (workers/wire/generate.py)
                          (index = choice, for n > 1); the request's last line adds usage
                          {prompt_tokens, cached_tokens, completion_tokens}. With "stream": false
                          the deltas come at the end, one joined line per choice plus `decode_s`
@@ -104,6 +105,9 @@ def _line(delta: Any, metrics: WorkerMetrics, outcome: _Outcome) -> dict[str, An
     if delta.logprobs is not None:
         line["logprobs"] = delta.logprobs
         line["top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.top_logprobs or []]
+    if delta.prompt_logprobs is not None:
+        line["prompt_logprobs"] = delta.prompt_logprobs
+        line["prompt_top_logprobs"] = [[[t, lp] for t, lp in top] for top in delta.prompt_top_logprobs or []]
     if delta.usage is not None:
         line["usage"] = outcome.usage = delta.usage
         metrics.prompt_tokens.inc(delta.usage["prompt_tokens"])

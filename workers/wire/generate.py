@@ -7,11 +7,16 @@ The real worker server (`workers/server/app.py`) and its test double (`ops/fake_
 with the same code, so both refuse the same bodies with the same messages and answer in the same
 shape.
 
-A result line is `{index, token_ids, text, finish_reason[, logprobs, top_logprobs][, usage]}`:
-`index` is the choice (n > 1), `logprobs[i]` the chosen token's log-probability for
-`token_ids[i]` and `top_logprobs[i]` its alternatives as `[token_id, logprob]` pairs. The request's
-last line carries `usage` ({prompt_tokens, cached_tokens, completion_tokens}); a stopped request's
-last line has finish_reason `abort`, a failed engine's `error`.
+A result line is `{index, token_ids, text, finish_reason[, logprobs, top_logprobs]
+[, prompt_logprobs, prompt_top_logprobs][, usage]}`: `index` is the choice (n > 1), `logprobs[i]`
+the chosen token's log-probability for `token_ids[i]` and `top_logprobs[i]` its alternatives as
+`[token_id, logprob]` pairs. With `sampling.prompt_logprobs` = k, the first line of choice 0 once
+the prompt is computed (its first token's, or with `max_tokens` 0 its only line) also carries
+`prompt_logprobs[i]`, the log-probability of prompt token i + 1 given the ones before it (the
+first prompt token has none: the list is one shorter than the prompt), and `prompt_top_logprobs[i]`
+the top k there as `[token_id, logprob]` pairs. The request's last line carries `usage`
+({prompt_tokens, cached_tokens, completion_tokens}); a stopped request's last line has
+finish_reason `abort`, a failed engine's `error`.
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class LineJoiner:
     """The answer to a non-streamed generate request (`"stream": false`): the delta lines of each
     choice joined into one line, written together once the request ends.
 
-    A joined line has the delta fields (token_ids, text, logprobs, top_logprobs: concatenated;
+    A joined line has the delta fields (token_ids, text, logprobs, top_logprobs and the prompt's: concatenated;
     finish_reason: the choice's last) plus `decode_s`, the seconds between the choice's first and
     last token at the worker, so the caller can still tell time to first token and inter-token
     latency. The choice whose delta carried `usage` comes last and carries it, as in a stream.
@@ -189,7 +194,7 @@ class LineJoiner:
             joined["decode_s"] = now - first
             joined["token_ids"].extend(delta["token_ids"])
         joined["text"] += delta["text"]
-        for name in ("logprobs", "top_logprobs"):
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
             if name in delta:
                 joined.setdefault(name, []).extend(delta[name])
         if delta["finish_reason"] is not None:

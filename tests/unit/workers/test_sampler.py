@@ -94,8 +94,8 @@ def test_logprobs_are_the_models() -> None:
 
 
 def test_bad_params_are_rejected() -> None:
-    for bad in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -1}, {"max_tokens": 0}, {"min_p": 2},
-                {"temperature": float("nan")}, {"stop": ("",)}, {"logprobs": 21}, {"seed": 1.5},
+    for bad in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -1}, {"max_tokens": -1}, {"max_tokens": 0, "n": 2},
+                {"min_p": 2}, {"temperature": float("nan")}, {"stop": ("",)}, {"logprobs": 21}, {"seed": 1.5},
                 {"max_tokens": True}, {"n": 2.0}, {"stop_token_ids": (1.0,)}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

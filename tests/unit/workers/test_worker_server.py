@@ -187,3 +187,26 @@ async def test_tokenizer_files_let_the_gateway_tokenize_without_the_model(worker
     gateway_tokenizer = TextTokenizer.from_payload(payload)
     assert gateway_tokenizer.encode("w1 w2 w3") == tiny.tokenizer.encode("w1 w2 w3")
 
+
+
+async def test_prompt_logprobs_come_on_the_first_line_streamed_or_joined(worker) -> None:
+    client, _ = worker
+    [only] = await read_stream(await client.post("/internal/generate", json=body("p0", max_tokens=0,
+                                                                                   prompt_logprobs=2)))
+    assert only["token_ids"] == [] and only["finish_reason"] == "length"  # max_tokens 0: the prompt alone
+    assert len(only["prompt_logprobs"]) == len(PROMPT) - 1 and all(lp <= 0 for lp in only["prompt_logprobs"])
+    assert [len(top) for top in only["prompt_top_logprobs"]] == [2] * (len(PROMPT) - 1)
+    assert only["usage"] == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 0}
+    streamed = await read_stream(await client.post("/internal/generate", json=body("p1", prompt_logprobs=0)))
+    assert [("prompt_logprobs" in line) for line in streamed] == [True] + [False] * (len(streamed) - 1)
+    [joined] = await read_stream(await client.post("/internal/generate",
+                                                   json={**body("p2", prompt_logprobs=0), "stream": False}))
+    assert joined["prompt_logprobs"] == pytest.approx(only["prompt_logprobs"], abs=1e-5)
+    assert joined["prompt_top_logprobs"] == [[] for _ in PROMPT[1:]]
+    assert len(joined["token_ids"]) == 8 and joined["usage"]["cached_tokens"] == 0  # recomputed, not served
+
+
+async def test_max_tokens_zero_is_refused_with_n_above_one(worker) -> None:
+    client, _ = worker
+    response = await client.post("/internal/generate", json=body("bad", max_tokens=0, n=2))
+    assert response.status == 400 and "max_tokens 0" in (await response.json())["error"]["message"]

@@ -1,0 +1,69 @@
+"""`tollway eval-ppl` on the default model and the repo's fixed test text (tests/data), against
+transformers on the same windows; and the perplexity bounds of the quantized weight formats."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from ops import eval_cli
+from ops.cli import cli
+from ops.perplexity import plan_windows
+from tests.unit.ops.test_eval_ppl import reference_nll
+from workers.models.tokenizer import tokenizer_payload
+from workers.wire.tokenizer import TextTokenizer
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "declaration_and_lincoln.txt"
+WINDOW, STRIDE = 1024, 768  # 4 windows: 3,663 tokens computed for 2,894 scored
+
+
+@pytest.fixture(scope="module")
+def token_ids(smollm2_folder: Path) -> list[int]:
+    return TextTokenizer.from_payload(tokenizer_payload(smollm2_folder)).encode(TEXT.read_text(encoding="utf-8"))
+
+
+def eval_ppl(model_home: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> dict[str, Any]:
+    monkeypatch.setenv("TOLLWAY_HOME", str(model_home))
+    monkeypatch.setenv("TOLLWAY_KV_CACHE_MB", "512")  # 11k tokens of fp32 KV: eight 1024-token windows at once
+    result = CliRunner().invoke(cli, ["eval-ppl", "--dtype", "float32", "--json", *args, str(TEXT)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_the_test_text_is_a_few_thousand_tokens(token_ids: list[int]) -> None:
+    assert 2000 <= len(token_ids) <= 4000
+
+
+@pytest.mark.slow
+def test_perplexity_equals_transformers_on_the_same_windows(smollm2_folder: Path, model_home: Path,
+                                                            token_ids: list[int],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = eval_ppl(model_home, monkeypatch, "--window", str(WINDOW), "--stride", str(STRIDE))
+    plan = plan_windows(len(token_ids), WINDOW, STRIDE)
+    assert len(plan) >= 4 and (figures["tokens"], figures["windows"]) == (len(token_ids) - 1, len(plan))
+    theirs = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    nll, count = reference_nll(theirs, token_ids, plan)
+    assert math.isfinite(figures["perplexity"]) and figures["perplexity"] > 1
+    assert figures["mean_nll"] == pytest.approx(nll / count, abs=2e-4)
+    assert figures["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 1.02), ("int4", 1.10)])
+def test_quantized_perplexity_stays_near_the_unquantized(model_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        quantization: str, bound: float) -> None:
+    if not eval_cli.quantization_available():
+        pytest.skip("weight quantization is not in this build (load_model has no `quantization` argument; "
+                    "issue 22 item 1): remove this skip when it is merged")
+    base = eval_ppl(model_home, monkeypatch, "--quantization", "none")  # one window: the context holds the text
+    quantized = eval_ppl(model_home, monkeypatch, "--quantization", quantization)
+    assert quantized["tokens"] == base["tokens"] and quantized["quantization"] == quantization
+    assert math.isfinite(quantized["perplexity"])
+    assert quantized["perplexity"] <= bound * base["perplexity"]
