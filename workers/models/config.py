@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+REFUSED_MODEL_TYPES = {
+    "gemma2": "attention logit soft-capping is not implemented by the attention kernels",
+    "gemma3_text": "per-layer-type RoPE and (1 + weight) norms are not implemented yet",
+    "gemma3": "per-layer-type RoPE and (1 + weight) norms are not implemented yet",
+}
 
 
 class ModelConfigError(ValueError):
@@ -46,6 +51,12 @@ class ModelConfig:
     rope: RopeConfig
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    # Family switches (workers/models/registry.py picks the class by model_type):
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q/k head before RoPE
+    num_experts: int = 0  # MoE (Mixtral, Qwen3-MoE): experts per layer; 0 = dense MLP
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral always does)
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -66,6 +77,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Parse a Hugging Face config dict; raises ModelConfigError naming what is wrong."""
         model_type = hf.get("model_type")
+        if model_type in REFUSED_MODEL_TYPES:
+            raise ModelConfigError(f"model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -75,7 +88,9 @@ class ModelConfig:
             hidden_size = int(hf["hidden_size"])
             head_dim = int(hf.get("head_dim") or hidden_size // num_q_heads)
             window = hf.get("sliding_window")
-            use_window = window is not None and hf.get("use_sliding_window", model_type != "qwen2")
+            use_window = window is not None and hf.get("use_sliding_window", model_type not in ("qwen2", "qwen3"))
+            _check_unsupported(hf, model_type)
+            num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
             return cls(
                 model_type=model_type,
                 vocab_size=int(hf["vocab_size"]),
@@ -93,9 +108,29 @@ class ModelConfig:
                 rope=_parse_rope(hf),
                 eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
                 bos_token_id=hf.get("bos_token_id"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                num_experts=num_experts if model_type in ("mixtral", "qwen3_moe") else 0,
+                num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
             )
         except (KeyError, TypeError) as exc:
             raise ModelConfigError(f"config.json is missing or has a malformed field: {exc}") from exc
+
+
+def _check_unsupported(hf: dict[str, Any], model_type: str) -> None:
+    """Refuse switches our layers do not implement, naming them."""
+    rotary = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if rotary is not None and float(rotary) != 1.0:
+        raise ModelConfigError(f"partial_rotary_factor {rotary} is not supported (only full rotary embeddings)")
+    if model_type == "qwen3_moe":
+        sparse_step = int(hf.get("decoder_sparse_step", 1))
+        if sparse_step != 1 or hf.get("mlp_only_layers"):
+            raise ModelConfigError("qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
+    if hf.get("layer_types") and len(set(hf["layer_types"])) > 1:
+        raise ModelConfigError(f"mixed layer_types {sorted(set(hf['layer_types']))} are not supported")
+    if model_type == "phi3" and hf.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
