@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3_text")
 REFUSED_MODEL_TYPES = {
     "gemma2": "attention logit soft-capping is not implemented by the attention kernels",
-    "gemma3_text": "per-layer-type RoPE and (1 + weight) norms are not implemented yet",
-    "gemma3": "per-layer-type RoPE and (1 + weight) norms are not implemented yet",
+    "gemma3": "only the text model is supported: use a gemma3_text checkpoint",
 }
 
 
@@ -57,6 +56,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral always does)
+    # Gemma 3: per-layer "sliding_attention" / "full_attention" (empty: every layer alike), the
+    # sliding layers' RoPE, the attention scale's denominator, and tanh capping of the final logits.
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -113,6 +118,7 @@ class ModelConfig:
                 num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
+                **(_gemma_fields(hf) if model_type == "gemma3_text" else {}),
             )
         except (KeyError, TypeError) as exc:
             raise ModelConfigError(f"config.json is missing or has a malformed field: {exc}") from exc
@@ -127,10 +133,40 @@ def _check_unsupported(hf: dict[str, Any], model_type: str) -> None:
         sparse_step = int(hf.get("decoder_sparse_step", 1))
         if sparse_step != 1 or hf.get("mlp_only_layers"):
             raise ModelConfigError("qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
-    if hf.get("layer_types") and len(set(hf["layer_types"])) > 1:
+    if model_type == "gemma3_text":
+        if hf.get("attn_logit_softcapping") is not None:
+            raise ModelConfigError("attn_logit_softcapping is not supported (the attention kernels do not cap)")
+        if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"hidden_activation {hf['hidden_activation']!r} is not supported (gelu_pytorch_tanh)")
+        if hf.get("use_bidirectional_attention"):
+            raise ModelConfigError("use_bidirectional_attention is not supported (causal decoders only)")
+    elif hf.get("layer_types") and len(set(hf["layer_types"])) > 1:
         raise ModelConfigError(f"mixed layer_types {sorted(set(hf['layer_types']))} are not supported")
     if model_type == "phi3" and hf.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
+
+
+def _gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text: per-layer types and RoPE (nested `rope_parameters`, or the older `rope_theta` /
+    `rope_scaling` for global layers and `rope_local_base_freq` for sliding ones)."""
+    num_layers = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown or len(types) != num_layers:
+        raise ModelConfigError(f"layer_types {sorted(set(types))} ({len(types)} for {num_layers} layers) not supported")
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention") or {"rope_type": "default",
+                                                 "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    softcap = hf.get("final_logit_softcapping")
+    return {
+        "layer_types": tuple(types),
+        "local_rope": _parse_rope({"rope_parameters": local}),
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])),
+        "final_logit_softcapping": float(softcap) if softcap is not None else None,
+    }
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -145,6 +181,8 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs use `rope_theta` and
     # an optional `rope_scaling` dict.
     params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): this is the global layers' RoPE
+        params = dict(params["full_attention"])
     scaling = hf.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))

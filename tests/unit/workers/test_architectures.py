@@ -19,6 +19,7 @@ from ops.cli import cli
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.loader import load_model
+from workers.paged_step import prefill_logits
 from workers.wire.sampling import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -32,6 +33,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3", dict(sliding_window=None)),
     "phi3-window": ("Phi3", dict(sliding_window=8)),
     "mixtral": ("Mixtral", dict(num_local_experts=4, sliding_window=8, **MOE)),
+    "gemma3": ("Gemma3Text", dict(sliding_window=8, num_hidden_layers=3, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                      "factor": 8.0}})),
+    "gemma3-softcap": ("Gemma3Text", dict(sliding_window=8, final_logit_softcapping=3.0)),
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, **MOE)),
     "qwen3_moe-topk-norm": ("Qwen3Moe", dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, **MOE)),
 }
@@ -67,7 +74,7 @@ def write_family(folder: Path, prefix: str, overrides: dict[str, Any], seed: int
     source = tokenizer_folder()
     vocab = len(transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json")))
     config = getattr(transformers, f"{prefix}Config")(vocab_size=vocab, **{**COMMON, **overrides})
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    model = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")(config).eval()
     randomize(model, seed)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
@@ -121,6 +128,15 @@ def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pyt
                                       text])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == expected.strip()
+
+
+def test_prefill_logits_equal_transformers(family) -> None:
+    """Logit values, not only argmaxes (final soft-capping is monotonic: greedy alone cannot see it)."""
+    _, loaded, theirs = family
+    ids = torch.randint(3, loaded.model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    assert (prefill_logits(loaded.model, ids.tolist()) - expected).abs().max().item() <= 1e-4
 
 
 def test_fused_decode_is_refused_for_other_layers(family) -> None:
