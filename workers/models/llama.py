@@ -89,6 +89,7 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[DecoderLayer] = DecoderLayer  # families with other layers override (see registry)
     fused_decode_ok = True  # fused_decode covers exactly this class's layers
+    cuda_graphs_ok = True  # forward has no host synchronisation (MoE's routing does)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

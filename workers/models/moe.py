@@ -101,6 +101,7 @@ class Qwen3MoeDecoderLayer(_MoEMixin, Qwen3DecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
     fused_decode_ok = False
+    cuda_graphs_ok = False  # the expert loop reads per-expert token counts on the host
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         remaining = dict(weights)
@@ -113,6 +114,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
     fused_decode_ok = False
+    cuda_graphs_ok = False
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         remaining = take_qk_norms(self, weights)

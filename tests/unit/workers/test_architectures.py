@@ -142,6 +142,7 @@ def test_prefill_logits_equal_transformers(family) -> None:
 def test_fused_decode_is_refused_for_other_layers(family) -> None:
     _, loaded, _ = family
     assert loaded.model.fused_decode_ok == (loaded.model.config.model_type == "phi3")
+    assert loaded.model.cuda_graphs_ok == (loaded.model.config.num_experts == 0)  # MoE routing syncs the host
 
 
 @pytest.mark.parametrize(("hf", "words"), [
