@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text")
 REFUSED_MODEL_TYPES = {
-    "gemma2": "attention logit soft-capping is not implemented by the attention kernels",
     "gemma3": "only the text model is supported: use a gemma3_text checkpoint",
 }
 
@@ -62,6 +61,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2 (attends on the torch reference: see dispatch)
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -118,7 +118,7 @@ class ModelConfig:
                 num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if model_type == "qwen3_moe" else True,
-                **(_gemma_fields(hf) if model_type == "gemma3_text" else {}),
+                **(_gemma_fields(hf, model_type) if model_type in ("gemma2", "gemma3_text") else {}),
             )
         except (KeyError, TypeError) as exc:
             raise ModelConfigError(f"config.json is missing or has a malformed field: {exc}") from exc
@@ -133,9 +133,7 @@ def _check_unsupported(hf: dict[str, Any], model_type: str) -> None:
         sparse_step = int(hf.get("decoder_sparse_step", 1))
         if sparse_step != 1 or hf.get("mlp_only_layers"):
             raise ModelConfigError("qwen3_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
-    if model_type == "gemma3_text":
-        if hf.get("attn_logit_softcapping") is not None:
-            raise ModelConfigError("attn_logit_softcapping is not supported (the attention kernels do not cap)")
+    if model_type in ("gemma2", "gemma3_text"):
         if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ModelConfigError(f"hidden_activation {hf['hidden_activation']!r} is not supported (gelu_pytorch_tanh)")
         if hf.get("use_bidirectional_attention"):
@@ -146,11 +144,14 @@ def _check_unsupported(hf: dict[str, Any], model_type: str) -> None:
         raise ModelConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
 
 
-def _gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 text: per-layer types and RoPE (nested `rope_parameters`, or the older `rope_theta` /
-    `rope_scaling` for global layers and `rope_local_base_freq` for sliding ones)."""
+def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Gemma 2 / 3 text: per-layer types and RoPE (Gemma 3: nested `rope_parameters`, or the older
+    `rope_theta` / `rope_scaling` for global layers and `rope_local_base_freq` for sliding ones;
+    Gemma 2: one RoPE for all layers). Older configs without `layer_types` alternate (Gemma 2)
+    or put one global layer after every five sliding ones (Gemma 3)."""
     num_layers = int(hf["num_hidden_layers"])
-    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+    default_pattern = 2 if model_type == "gemma2" else 6
+    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default_pattern)
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
     ]
@@ -161,9 +162,11 @@ def _gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
     local = params.get("sliding_attention") or {"rope_type": "default",
                                                  "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
     softcap = hf.get("final_logit_softcapping")
+    attn_softcap = hf.get("attn_logit_softcapping")
     return {
         "layer_types": tuple(types),
-        "local_rope": _parse_rope({"rope_parameters": local}),
+        "local_rope": _parse_rope(hf if model_type == "gemma2" else {"rope_parameters": local}),
+        "attn_logit_softcapping": float(attn_softcap) if attn_softcap is not None else None,
         "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])),
         "final_logit_softcapping": float(softcap) if softcap is not None else None,
     }

@@ -1,15 +1,15 @@
-"""Gemma 3 (text): Llama-style attention and fused projections with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): Llama-style attention and fused projections with Gemma's differences.
 
 - embeddings scaled by sqrt(hidden) (in the weight dtype, as transformers does);
 - RMSNorm multiplies by (1 + weight), rounding once after the product;
 - four norms per layer: input and post-attention around attention, pre- and post-feedforward
   around the MLP (each block's output is normed before its residual add);
 - GELU (tanh approximation) gating instead of SiLU;
-- per-head q/k norms before RoPE, attention scale query_pre_attn_scalar ** -0.5;
+- per-head q/k norms before RoPE (Gemma 3), attention scale query_pre_attn_scalar ** -0.5;
 - per-layer types: "sliding_attention" layers use the sliding window and their own RoPE (local
-  base frequency), "full_attention" layers attend to everything with the global RoPE;
-- optional tanh soft-capping of the final logits.
-Attention-logit soft-capping (Gemma 2) is refused by config parsing: the kernels do not cap.
+  base frequency; Gemma 2 has one RoPE), "full_attention" layers attend to everything;
+- optional tanh soft-capping of the final logits, and (Gemma 2) of the attention scores: only
+  the torch reference attention caps, so Gemma 2 attends there (correct, slow; see dispatch).
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_attention_norm = GemmaRMSNorm(h, eps)  # on the attention output, before the residual add
         self.pre_feedforward_norm = GemmaRMSNorm(h, eps)
         self.post_feedforward_norm = GemmaRMSNorm(h, eps)
-        self.q_norm = GemmaRMSNorm(config.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, eps)
+        self.softcap = config.attn_logit_softcapping
+        self.has_qk_norm = config.model_type == "gemma3_text"
+        if self.has_qk_norm:
+            self.q_norm = GemmaRMSNorm(config.head_dim, eps)
+            self.k_norm = GemmaRMSNorm(config.head_dim, eps)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+        return (self.q_norm(q), self.k_norm(k)) if self.has_qk_norm else (q, k)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata,
@@ -61,7 +64,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale,
-                               self.sliding_window)
+                               self.sliding_window, self.softcap)
         hidden = hidden + self.post_attention_norm(self.o_proj(attn.reshape(n, -1))).float()
         return hidden + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(hidden))).float()
 
@@ -70,13 +73,14 @@ class Gemma3DecoderLayer(DecoderLayer):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(LlamaForCausalLM):
     layer_class = Gemma3DecoderLayer
     fused_decode_ok = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cuda_graphs_ok = config.attn_logit_softcapping is None  # the reference attention syncs the host
         assert config.local_rope is not None
         self.local_rotary = RotaryTable(config.local_rope, config.head_dim, min(config.max_position_embeddings, 4096))
 
@@ -112,9 +116,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, Gemma3DecoderLayer)
                 p = f"model.layers.{i}."
-                for ours, theirs in (("pre_feedforward_norm", "pre_feedforward_layernorm"),
-                                     ("post_feedforward_norm", "post_feedforward_layernorm"),
-                                     ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")):
+                names = [("pre_feedforward_norm", "pre_feedforward_layernorm"),
+                         ("post_feedforward_norm", "post_feedforward_layernorm")]
+                if layer.has_qk_norm:
+                    names += [("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")]
+                for ours, theirs in names:
                     key = f"{p}{theirs}.weight"
                     if key not in remaining:
                         raise ValueError(f"checkpoint is missing tensor {key!r}")

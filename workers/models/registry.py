@@ -4,7 +4,7 @@ and features none of these implement, so every parsed config has an entry here."
 from __future__ import annotations
 
 from workers.models.config import ModelConfig, ModelConfigError
-from workers.models.gemma import Gemma3ForCausalLM
+from workers.models.gemma import GemmaForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
@@ -18,7 +18,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
-    "gemma3_text": Gemma3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 
 
