@@ -21,7 +21,7 @@ from cache.kv_storage import KVStorage
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from workers.models.config import ModelConfig
-from workers.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
+from workers.models.llama import REFINED_TOP, DecoderLayer, LlamaForCausalLM, RMSNorm
 from workers.models.rope import RotaryTable, apply_rotary
 
 
@@ -105,8 +105,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (the head in the weight dtype), tanh-capped when the config says so."""
+        """fp32 logits, tanh-capped when the config says so. As in LlamaForCausalLM.logits, with
+        bf16 weights the REFINED_TOP largest of each row are recomputed in fp32 (Gemma's norm)."""
         logits = self.lm_head(self.norm(hidden)).float()
+        if self.dtype != torch.float32:
+            norm = self.norm
+            exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=norm.eps) * (1.0 + norm.weight.float())
+            top = logits.topk(min(REFINED_TOP, logits.shape[-1]), dim=-1).indices  # [n, k]
+            exact = torch.einsum("nkh,nh->nk", self.lm_head.weight[top].float(), exact_normed)
+            logits.scatter_(1, top, exact)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

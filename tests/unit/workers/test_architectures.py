@@ -141,6 +141,17 @@ def test_prefill_logits_equal_transformers(family) -> None:
     assert (prefill_logits(loaded.model, ids.tolist()) - expected).abs().max().item() <= 1e-4
 
 
+def test_bfloat16_tracks_float32(family) -> None:
+    """bf16 weights: logits close to fp32's and nearly the same argmaxes (every family's norms and
+    head, Gemma's (1 + weight) fp32 refinement included)."""
+    folder, loaded, _ = family
+    bf16 = load_model(folder, torch.bfloat16).model
+    ids = torch.randint(3, loaded.model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    fp32_logits, bf16_logits = prefill_logits(loaded.model, ids.tolist()), prefill_logits(bf16, ids.tolist())
+    assert (bf16_logits - fp32_logits).abs().max().item() < 0.5
+    assert (bf16_logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean().item() >= 0.9
+
+
 def test_fused_decode_is_refused_for_other_layers(family) -> None:
     _, loaded, _ = family
     assert loaded.model.fused_decode_ok == (loaded.model.config.model_type == "phi3")
