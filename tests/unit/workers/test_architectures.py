@@ -171,3 +171,20 @@ def test_unsupported_types_and_features_are_named(hf: dict[str, Any], words: str
             "num_attention_heads": 2}
     with pytest.raises(ModelConfigError, match=words):
         ModelConfig.from_hf({**base, **hf})
+
+
+def test_both_config_spellings_parse_alike() -> None:
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 2}
+    moe = [ModelConfig.from_hf({**base, "model_type": "qwen3_moe", key: 4, "num_experts_per_tok": 2})
+           for key in ("num_experts", "num_local_experts")]
+    assert moe[0].num_experts == moe[1].num_experts == 4
+    old = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2})
+    new = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "layer_types": list(old.layer_types),
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                      "factor": 8.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert old.layer_types == new.layer_types == ("sliding_attention", "full_attention")
+    assert old.rope == new.rope and old.rope.scaling_type == "linear" and old.rope.theta == 1e6
+    assert old.local_rope == new.local_rope and new.local_rope is not None and new.local_rope.theta == 1e4
