@@ -42,15 +42,27 @@ def select_backend(device: torch.device, choice: str = "auto") -> Backend:
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata, scale: float, sliding_window: int | None = None,
+    meta: PagedAttentionMetadata, scale: float, sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [N, Hq, D], k/v [N, Hkv, D] of the step's new tokens -> attention output [N, Hq, D]."""
+    """q [N, Hq, D], k/v [N, Hkv, D] of the step's new tokens -> attention output [N, Hq, D].
+
+    softcap (Gemma 2's attention-logit capping): only the torch reference implements it, so those
+    layers attend there on every backend (correct, slow); the backend still stores the K/V.
+    """
     backend = meta.backend
     if backend is None:  # chosen by device once, by the first layer; the others reuse it
         backend = meta.backend = select_backend(q.device)
     ops = _backend_module(backend)
     ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     d = meta.num_decodes
+    if softcap is not None:
+        parts = []
+        if d:
+            parts.append(reference.decode_step(q[:d], k_cache, v_cache, meta, scale, sliding_window, softcap))
+        if d < meta.num_seqs:
+            parts.append(reference.extend_step(q[d:], k[d:], v[d:], k_cache, v_cache, meta, scale, sliding_window,
+                                               softcap))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     parts = []
     if d:
         parts.append(ops.decode_step(q[:d], k_cache, v_cache, meta, scale, sliding_window))

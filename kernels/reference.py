@@ -8,6 +8,8 @@ Shapes shared by every backend:
   stored) sit at the end of its context, attend causally among themselves and fully to its prefix.
 A query at position p sees keys at positions k <= p, and k > p - window with a sliding window.
 Query head h reads KV head h // (Hq // Hkv). Scores, softmax and sums run in fp32.
+With `softcap` c (Gemma 2), scaled scores s become c * tanh(s / c) before masking; only this
+reference implements it, so `dispatch.paged_attention` sends soft-capped attention here.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def attend_one_sequence(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_positions: torch.Tensor, scale: float,
-    sliding_window: int | None,
+    sliding_window: int | None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] at q_positions [T] over keys/values [L, Hkv, D] at positions 0..L-1."""
     group = q.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,lhd->htl", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     k_positions = torch.arange(keys.shape[0], device=q.device)
     visible = k_positions[None, :] <= q_positions[:, None]
     if sliding_window is not None:
@@ -55,20 +59,22 @@ def attend_one_sequence(
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    context_lens: torch.Tensor, scale: float, sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     for seq, length in enumerate(context_lens.tolist()):
         keys = gather_context(k_cache, block_tables[seq], length)
         values = gather_context(v_cache, block_tables[seq], length)
         position = torch.tensor([length - 1], device=q.device)
-        out[seq] = attend_one_sequence(q[seq : seq + 1], keys, values, position, scale, sliding_window)[0]
+        out[seq] = attend_one_sequence(q[seq : seq + 1], keys, values, position, scale, sliding_window,
+                                       softcap)[0]
     return out
 
 
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     starts = query_start.tolist()
@@ -77,21 +83,24 @@ def extend_attention(
         keys = gather_context(k_cache, block_tables[seq], length)
         values = gather_context(v_cache, block_tables[seq], length)
         q_positions = torch.arange(length - (end - begin), length, device=q.device)
-        out[begin:end] = attend_one_sequence(q[begin:end], keys, values, q_positions, scale, sliding_window)
+        out[begin:end] = attend_one_sequence(q[begin:end], keys, values, q_positions, scale, sliding_window,
+                                                 softcap)
     return out
 
 
 def decode_step(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, scale: float,
-    sliding_window: int | None,
+    sliding_window: int | None, softcap: float | None = None,
 ) -> torch.Tensor:
     d = meta.num_decodes
-    return decode_attention(q, k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, sliding_window)
+    return decode_attention(q, k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, sliding_window,
+                            softcap)
 
 
 def extend_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata, scale: float, sliding_window: int | None,
+    meta: PagedAttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None = None,
 ) -> torch.Tensor:
     query_start, context_lens, block_tables = meta.extend_part()
-    return extend_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, sliding_window)
+    return extend_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, sliding_window,
+                            softcap)

@@ -93,7 +93,8 @@ class Engine:
         backend = select_backend(model.device, config.attention)
         if backend == "native":  # the native decode step's matmuls run on prepacked weights
             pack_linears(model)
-        graphs = config.cuda_graphs and model.device.type == "cuda"
+        # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
+        graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
         # With CUDA graphs the storage holds one block more than the pool hands out: the padding rows'.
         kv = model.allocate_kv(num_blocks + graphs, config.block_size)
         self.runner = ModelRunner(model, kv, backend,

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 
 def can_fuse(model: LlamaForCausalLM, meta: PagedAttentionMetadata) -> bool:
-    """Whether this step can run fused: every sequence decodes, on the native backend, a covered shape."""
+    """Whether this step can run fused: a plain Llama-layer model (not a subclass with other layers),
+    every sequence decoding, on the native backend, a covered shape."""
     c = model.config
-    return (meta.backend == "native" and meta.num_decodes == meta.num_seqs and model.device.type == "cpu"
+    return (model.fused_decode_ok and meta.backend == "native" and meta.num_decodes == meta.num_seqs and model.device.type == "cpu"
             and native.covers(c.head_dim, c.num_q_heads, c.num_kv_heads, model.dtype) and native.load())
 
 

@@ -60,15 +60,24 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(self.input_norm(hidden)).split(self._splits, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self.normalize_qk(q.view(num_tokens, self.num_q_heads, self.head_dim),
+                                 k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(
             q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale, self.sliding_window
         )
         hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1)).float()
-        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up).float()
+        return hidden + self.mlp(self.post_attention_norm(hidden)).float()
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q [N, Hq, D] / k [N, Hkv, D] before RoPE: none here (Qwen3 overrides)."""
+        return q, k
+
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block on normed hidden states (MoE layers override)."""
+        gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 REFINED_TOP = 64
@@ -78,11 +87,15 @@ REFINED_TOP = 64
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [N], kv, meta) -> logits (fp32); see `forward`."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer  # families with other layers override (see registry)
+    fused_decode_ok = True  # fused_decode covers exactly this class's layers
+    cuda_graphs_ok = True  # forward has no host synchronisation (MoE's routing does)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -182,10 +195,11 @@ class LlamaForCausalLM(nn.Module):
                 if self.config.qkv_bias:
                     layer.qkv_proj.bias.copy_(torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
                 layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
-                layer.gate_up_proj.weight.copy_(
-                    torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
-                )
-                layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
+                if not self.config.num_experts:  # MoE classes load their experts before calling this
+                    layer.gate_up_proj.weight.copy_(
+                        torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+                    )
+                    layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
                 layer.input_norm.weight.copy_(take(f"{p}input_layernorm.weight"))
                 layer.post_attention_norm.weight.copy_(take(f"{p}post_attention_layernorm.weight"))
         unexpected = [n for n in remaining if not n.endswith("rotary_emb.inv_freq")]

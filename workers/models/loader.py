@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from workers.models.assets import ModelFolderError, check_model_folder
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.llama import LlamaForCausalLM
+from workers.models.registry import model_class
 from workers.models.tokenizer import TokenCodec
 
 
@@ -33,7 +34,7 @@ def read_model_config(folder: Path) -> ModelConfig:
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
     """An uninitialised model of `config` (weights allocated on `device`, not filled) in `dtype`."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

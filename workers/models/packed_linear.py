@@ -62,7 +62,7 @@ def pack_linears(model: LlamaForCausalLM, batch_hint: int = 32) -> bool:
         return False
     owners = [(layer, name) for layer in model.layers for name in PACKED_PROJECTIONS]
     for owner, name in [*owners, (model, "lm_head")]:
-        linear = getattr(owner, name)
+        linear = getattr(owner, name, None)  # MoE layers have no dense gate_up/down projections
         if isinstance(linear, nn.Linear):
             setattr(owner, name, PackedLinear(linear, kind, batch_hint))
     return True

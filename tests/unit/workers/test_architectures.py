@@ -1,0 +1,190 @@
+"""Every supported family against transformers: tiny random-weight models built with
+transformers' own config classes and `save_pretrained`, with the default model's real tokenizer.
+Greedy tokens through our engine (fp32) equal transformers' greedy `generate`, token for token,
+past a sliding window where the family has one, and with two requests sharing a prefix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from ops.cli import cli
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.config import ModelConfig, ModelConfigError
+from workers.models.loader import load_model
+from workers.paged_step import prefill_logits
+from workers.wire.sampling import SamplingParams
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+MOE: dict[str, Any] = dict(num_experts_per_tok=2)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3", {}),
+    "qwen3-window": ("Qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    "phi3": ("Phi3", dict(sliding_window=None)),
+    "phi3-window": ("Phi3", dict(sliding_window=8)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, sliding_window=8, **MOE)),
+    "gemma3": ("Gemma3Text", dict(sliding_window=8, num_hidden_layers=3, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                      "factor": 8.0}})),
+    "gemma3-softcap": ("Gemma3Text", dict(sliding_window=8, final_logit_softcapping=3.0)),
+    "gemma2": ("Gemma2", dict(sliding_window=8, num_hidden_layers=3, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, **MOE)),
+    "qwen3_moe-topk-norm": ("Qwen3Moe", dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, **MOE)),
+}
+
+
+def tokenizer_folder() -> Path:
+    home = os.environ.get("TOLLWAY_TEST_HOME")
+    folder = Path(home or "/nonexistent") / "models" / "smollm2-135m-instruct"
+    if not (folder / "tokenizer.json").exists():
+        pytest.skip("TOLLWAY_TEST_HOME has no converted default model (its tokenizer is reused here)")
+    return folder
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights scaled so activations stay well conditioned and greedy argmaxes are far from ties."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            elif "lm_head" in name:
+                p.copy_(0.3 * noise)
+            elif name.endswith("gate.weight") and "proj" not in name:  # MoE router: decisive routing
+                p.copy_(noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def write_family(folder: Path, prefix: str, overrides: dict[str, Any], seed: int = 0) -> Path:
+    source = tokenizer_folder()
+    vocab = len(transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json")))
+    config = getattr(transformers, f"{prefix}Config")(vocab_size=vocab, **{**COMMON, **overrides})
+    model = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")(config).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, folder / name)
+    return folder
+
+
+SLOW = ("mixtral", "qwen3_moe", "qwen3_moe-topk-norm")  # > 10 s each on 2 shared cores (transformers' MoE)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in sorted(FAMILIES)
+])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    prefix, overrides = FAMILIES[request.param]
+    folder = write_family(tmp_path_factory.mktemp(request.param), prefix, overrides)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    return folder, load_model(folder, torch.float32), theirs
+
+
+def hf_greedy(theirs, prompt: list[int], n: int, eos: int | None = None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = theirs.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_greedy_equals_transformers_with_shared_prefix(family) -> None:
+    _, loaded, theirs = family
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, loaded.model.config.vocab_size, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (3, 9)]
+    expected = [hf_greedy(theirs, p, 12) for p in prompts]
+    engine = Engine(loaded, EngineConfig(num_blocks=64, block_size=4))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = engine.generate_batch(prompts[:1], params)
+    second = engine.generate_batch(prompts[1:], params)  # reuses the shared prefix's cached blocks
+    assert second[0].cached_len >= 16
+    assert [s.output_ids for s in first + second] == expected
+
+
+@pytest.mark.slow
+def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = write_family(tmp_path / "qwen3", "Qwen3", {})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "The quick brown fox jumps over the lazy dog"
+    expected = tokenizer.decode(hf_greedy(theirs, tokenizer(text)["input_ids"], 8, eos=2))
+    monkeypatch.setenv("TOLLWAY_HOME", str(tmp_path / "home"))
+    result = CliRunner().invoke(cli, ["generate", "--model", str(folder), "--max-tokens", "8", "--dtype", "float32",
+                                      text])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == expected.strip()
+
+
+def test_prefill_logits_equal_transformers(family) -> None:
+    """Logit values, not only argmaxes (final soft-capping is monotonic: greedy alone cannot see it)."""
+    _, loaded, theirs = family
+    ids = torch.randint(3, loaded.model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    assert (prefill_logits(loaded.model, ids.tolist()) - expected).abs().max().item() <= 1e-4
+
+
+def test_bfloat16_tracks_float32(family) -> None:
+    """bf16 weights: logits close to fp32's and nearly the same argmaxes (every family's norms and
+    head, Gemma's (1 + weight) fp32 refinement included)."""
+    folder, loaded, _ = family
+    bf16 = load_model(folder, torch.bfloat16).model
+    ids = torch.randint(3, loaded.model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    fp32_logits, bf16_logits = prefill_logits(loaded.model, ids.tolist()), prefill_logits(bf16, ids.tolist())
+    assert (bf16_logits - fp32_logits).abs().max().item() < 0.5
+    assert (bf16_logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_fused_decode_is_refused_for_other_layers(family) -> None:
+    _, loaded, _ = family
+    assert loaded.model.fused_decode_ok == (loaded.model.config.model_type == "phi3")
+    c = loaded.model.config  # MoE routing and the capped reference attention sync with the host
+    assert loaded.model.cuda_graphs_ok == (c.num_experts == 0 and c.attn_logit_softcapping is None)
+
+
+@pytest.mark.parametrize(("hf", "words"), [
+    ({"model_type": "gemma3"}, "gemma3_text"),
+    ({"model_type": "falcon"}, "'falcon' is not supported"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "'longrope'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+])
+def test_unsupported_types_and_features_are_named(hf: dict[str, Any], words: str) -> None:
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 2}
+    with pytest.raises(ModelConfigError, match=words):
+        ModelConfig.from_hf({**base, **hf})
+
+
+def test_both_config_spellings_parse_alike() -> None:
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 2}
+    moe = [ModelConfig.from_hf({**base, "model_type": "qwen3_moe", key: 4, "num_experts_per_tok": 2})
+           for key in ("num_experts", "num_local_experts")]
+    assert moe[0].num_experts == moe[1].num_experts == 4
+    old = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2})
+    new = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "layer_types": list(old.layer_types),
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                      "factor": 8.0},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert old.layer_types == new.layer_types == ("sliding_attention", "full_attention")
+    assert old.rope == new.rope and old.rope.scaling_type == "linear" and old.rope.theta == 1e6
+    assert old.local_rope == new.local_rope and new.local_rope is not None and new.local_rope.theta == 1e4

@@ -1,0 +1,124 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen3-MoE) on the Llama / Qwen3 attention layers.
+
+Each token is routed to its top-k experts: router logits -> softmax (fp32) over all experts ->
+top-k -> renormalised to sum to 1 (Mixtral always, which equals a softmax over the top-k logits;
+Qwen3-MoE when `norm_topk_prob`). Dispatch is batched: the N*k (token, expert) pairs are sorted by
+expert, and each expert that received tokens runs once on its gathered rows (index_select, one
+gate/up matmul, one down matmul), its weighted output scattered back with index_add_. The Python
+loop is over active experts, never over tokens.
+
+Expert weights are stacked: gate_up [E, 2I, H] ([gate; up] rows, as our dense layers fuse them)
+and down [E, H, I]. Checkpoint names: Mixtral `block_sparse_moe.{gate, experts.j.w1/w3/w2}`,
+Qwen3-MoE `mlp.{gate, experts.j.gate_proj/up_proj/down_proj}`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.config import ModelConfig
+from workers.models.llama import DecoderLayer, LlamaForCausalLM
+from workers.models.qwen3 import Qwen3DecoderLayer, take_qk_norms
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (weight dtype) -> [N, H]."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        flat_experts = experts.flatten()  # pair p = (token p // k, expert flat_experts[p])
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.gate_up.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // self.top_k
+            gate, up = F.linear(x.index_select(0, tokens), self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[pairs, None]
+            out.index_add_(0, tokens, y)
+        return out
+
+    def load(self, take: dict[str, torch.Tensor], prefix: str, style: str) -> None:
+        """Pop this layer's router and experts from `take` (checkpoint names) into our stacks."""
+        names = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                 "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}[style]
+        block, gate_name, up_name, down_name = names
+
+        def pop(name: str) -> torch.Tensor:
+            if name not in take:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return take.pop(name)
+
+        with torch.no_grad():
+            self.router.weight.copy_(pop(f"{prefix}{block}.gate.weight"))
+            for j in range(self.gate_up.shape[0]):
+                e = f"{prefix}{block}.experts.{j}."
+                self.gate_up[j].copy_(torch.cat([pop(f"{e}{gate_name}.weight"), pop(f"{e}{up_name}.weight")]))
+                self.down[j].copy_(pop(f"{e}{down_name}.weight"))
+
+
+class _MoEMixin:
+    moe: SparseMoE
+
+    def _init_moe(self, config: ModelConfig) -> None:
+        del self.gate_up_proj, self.down_proj  # type: ignore[attr-defined]  # built on meta: nothing allocated
+        self.moe = SparseMoE(config)
+
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.moe(normed)  # type: ignore[no-any-return]
+
+
+class MixtralDecoderLayer(_MoEMixin, DecoderLayer):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        self._init_moe(config)
+
+
+class Qwen3MoeDecoderLayer(_MoEMixin, Qwen3DecoderLayer):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        self._init_moe(config)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    layer_class = MixtralDecoderLayer
+    fused_decode_ok = False
+    cuda_graphs_ok = False  # the expert loop reads per-expert token counts on the host
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        remaining = dict(weights)
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, MixtralDecoderLayer)
+            layer.moe.load(remaining, f"model.layers.{i}.", "mixtral")
+        super().load_hf_state_dict(remaining)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    layer_class = Qwen3MoeDecoderLayer
+    fused_decode_ok = False
+    cuda_graphs_ok = False
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        remaining = take_qk_norms(self, weights)
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Qwen3MoeDecoderLayer)
+            layer.moe.load(remaining, f"model.layers.{i}.", "qwen3_moe")
+        super().load_hf_state_dict(remaining)
