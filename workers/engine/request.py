@@ -75,6 +75,12 @@ class Sequence:
     # None when the output is unconstrained. Preemption keeps output_ids, so it keeps this too.
     matcher: Any = None
     weight: float = 1.0  # the tenant's share of service (workers/engine/fairness.py); set by the gateway
+    # speculative decoding (workers/engine/speculative.py): the draft the engine proposed for the next
+    # step (the scheduler takes it into the batch or drops it), and the adaptive acceptance state
+    draft_ids: list[int] = field(default_factory=list)
+    spec_rate: float = 1.0  # moving average of the share of drafted tokens accepted
+    spec_cooldown: int = 0  # steps left without drafting
+    spec_backoff: int = 0  # the last cool-down (doubles while acceptance stays low)
 
     @property
     def prompt_len(self) -> int:
