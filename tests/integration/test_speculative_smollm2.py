@@ -27,7 +27,7 @@ REGIMES = {
     "batched": EngineConfig(num_blocks=400),
     "prefix-hits": EngineConfig(num_blocks=400),  # run twice: the second round is served from the cache
     "chunked": EngineConfig(num_blocks=400, max_batch_tokens=48),
-    "preempting": EngineConfig(num_blocks=20, block_size=16),  # 20 x 16 tokens cannot hold four ~110-token sequences
+    "preempting": EngineConfig(num_blocks=12, block_size=16),  # 12 x 16 tokens cannot hold four ~110-token sequences
 }
 
 
