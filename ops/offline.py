@@ -57,7 +57,8 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
                         attention=settings.attention, scheduling=settings.scheduling,
                         speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,
-                        speculative_ngram=settings.speculative_ngram)
+                        speculative_ngram=settings.speculative_ngram,
+                        speculative_max_batch=settings.speculative_max_batch)
 
 
 def run_generate(

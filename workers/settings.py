@@ -44,6 +44,9 @@ class WorkerSettings(TracingSettings):
     """Draft tokens proposed per sequence and step (k)."""
     speculative_ngram: int = 3
     """The ngram drafter's longest match (n); it falls back to shorter ones down to 1."""
+    speculative_max_batch: int = 16
+    """Nobody drafts while more sequences than this decode (the step is compute-bound there; on a 2-core CPU
+    speculation already lost at 4 streams: ops/bench/RESULTS.md, issue 23)."""
     worker_secret: str | None = None
     """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,
     created there if absent (workers/wire/files.py). Give gateways and workers on other hosts the same."""

@@ -42,8 +42,10 @@ async def test_worker_metrics_report_drafted_and_accepted_tokens(aiohttp_client,
 def test_settings_pass_speculation_and_refuse_the_unbuilt_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
     monkeypatch.setenv("TOLLWAY_SPECULATIVE_TOKENS", "6")
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE_MAX_BATCH", "1")
     config = engine_config(WorkerSettings())
     assert config.speculative == "ngram" and config.speculative_tokens == 6 and config.speculative_ngram == 3
+    assert config.speculative_max_batch == 1
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "draft")
     with pytest.raises(click.ClickException, match="not built yet"):
         engine_config(WorkerSettings())
