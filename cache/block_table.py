@@ -50,6 +50,19 @@ class BlockTable:
         self.num_tokens += num_new_tokens
         return copies
 
+    def truncate(self, num_tokens: int) -> None:
+        """Shrink to num_tokens (<= the current count): the blocks wholly beyond are given back (a
+        rejected speculative draft's slots); slots past num_tokens in the kept last block are simply
+        written again later."""
+        if num_tokens > self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        keep = self.pool.blocks_for(num_tokens)
+        if keep < len(self.block_ids):
+            self.pool.release(self.block_ids[keep:])
+            del self.block_ids[keep:]
+            self.version += 1
+        self.num_tokens = num_tokens
+
     def fork(self) -> BlockTable:
         """A child sharing every block (one more reference on each)."""
         self.pool.retain(self.block_ids)

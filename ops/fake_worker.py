@@ -100,6 +100,8 @@ class FakeWorker:
             "finished": dict(self.finished), "running": len(self.running), "waiting": 0, "preemptions": 0,
             "scheduling": "fair", "tenants": {ns: {"counter": 0.0, "weight": 1.0, "input_tokens": 0, "output_tokens": 0,
                                                    "waiting": 0, "running": 0} for ns in self.cache},
+            "speculative": {"mode": "off", "drafted_tokens": 0, "accepted_tokens": 0, "verifications": 0,
+                            "acceptance_rate": 0.0, "mean_accepted_length": 0.0},
             "fake": {"max_running": self.max_running, "requests": self.received},  # the double's own
         }
 

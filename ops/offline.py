@@ -9,6 +9,7 @@ import click
 import torch
 from rich.console import Console
 
+from workers.engine.drafter import make_drafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
@@ -48,9 +49,20 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
+    """The engine's configuration from the settings; a ClickException for a speculative mode this build
+    cannot run (checked before any model loads)."""
+    try:
+        make_drafter(settings.speculative, settings.speculative_ngram)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if settings.speculative_tokens < 1:
+        raise click.ClickException("TOLLWAY_SPECULATIVE_TOKENS must be at least 1")
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
                         attention=settings.attention, scheduling=settings.scheduling,
-                        max_running_per_tenant=settings.max_running_per_tenant)
+                        max_running_per_tenant=settings.max_running_per_tenant,
+                        speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,
+                        speculative_ngram=settings.speculative_ngram,
+                        speculative_max_batch=settings.speculative_max_batch)
 
 
 def run_generate(

@@ -17,9 +17,10 @@ from workers.wire.files import load_or_create_worker_secret
 
 def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console) -> None:
     secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
+    config = engine_config(settings)  # refuses unusable settings before the model loads
     loaded = load_named_model(settings, model, dtype, console)
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
-    core = Engine(loaded, engine_config(settings), name=model, tracer=tracing.tracer if tracing is not None else None)
+    core = Engine(loaded, config, name=model, tracer=tracing.tracer if tracing is not None else None)
     core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
     engine = AsyncEngine(core)
     info = engine.info()

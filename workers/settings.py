@@ -40,6 +40,17 @@ class WorkerSettings(TracingSettings):
     """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
     (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with
     TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""
+    speculative: Literal["off", "ngram", "draft"] = "off"
+    """Speculative decoding (workers/engine/speculative.py): off, ngram (prompt lookup: drafts copied from the
+    request's own context, verified in the batched step; outputs exactly as without), draft (a second, smaller
+    model: not built yet, refused at startup)."""
+    speculative_tokens: int = 4
+    """Draft tokens proposed per sequence and step (k)."""
+    speculative_ngram: int = 3
+    """The ngram drafter's longest match (n); it falls back to shorter ones down to 1."""
+    speculative_max_batch: int = 16
+    """Nobody drafts while more sequences than this decode (the step is compute-bound there; on a 2-core CPU
+    speculation already lost at 4 streams: ops/bench/RESULTS.md, issue 23)."""
     worker_secret: str | None = None
     """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,
     created there if absent (workers/wire/files.py). Give gateways and workers on other hosts the same."""

@@ -21,10 +21,11 @@ from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import AttentionChoice, select_backend
-from workers.engine import grammar
+from workers.engine import grammar, speculative
 from workers.engine.admission import Policy
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.detokenize import OutputText
+from workers.engine.drafter import SpeculativeMode, make_drafter
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
@@ -76,6 +77,10 @@ class EngineConfig:
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
     cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
     scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
+    speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
+    speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)
+    speculative_ngram: int = 3  # the ngram drafter's longest match (n); it tries n, n-1, ..., 1
+    speculative_max_batch: int = 16  # nobody drafts while more sequences than this decode (compute-bound)
 
 
 class Engine:
@@ -105,6 +110,8 @@ class Engine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)
         self.masks = GrammarMasks(c.vocab_size)
+        self.drafter = make_drafter(config.speculative, config.speculative_ngram)  # None: off
+        self.spec_stats = speculative.SpecStats()
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
         self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
         self._requests: dict[str, _Request] = {}
@@ -175,27 +182,36 @@ class Engine:
         phases = self._phases
         if phases is not None:
             start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         if phases is not None and self.scheduler.preemptions != preemptions:
             phases.preempted(start_ns)
         deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self.scheduler.take_finished()]
         if not batch.seqs:
             return deltas
-        masks = self.masks.start(batch.sampling)  # grammar masks fill while the model runs
+        # each sampling sequence's draft ([] for most); drafted ones verify instead of sampling
+        drafts = [d for d, samples in zip(batch.drafts, batch.samples, strict=True) if samples]
+        plain = [s for s, d in zip(batch.sampling, drafts, strict=True) if not d]
+        masks = self.masks.start(plain)  # grammar masks fill while the model runs
         output = self.runner.run(batch)
         for part in output.prompt_logprobs:  # before the update: forked choices share these lists
             part.seq.prompt_logprobs.extend(part.logprobs)
             part.seq.prompt_top_logprobs.extend(part.top)
+        logits = output.logits
         update = self.scheduler.update(batch)
         if phases is not None:
             phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
         deltas += [self._prefilled(seq) for seq in batch.seqs
                    if seq.params.max_tokens == 0 and seq.computed_len == seq.total_len]
+        if batch.has_drafts:
+            update, logits, verified = speculative.split_drafted(update, logits, drafts)
+            now = time.monotonic()
+            deltas.extend(self._verify(seq, rows, draft, now) for seq, rows, draft in verified)
         if not update.sampling:
             return deltas
         if masks is not None and update.forks:
             masks.result()  # forking reads the parents' matchers: not while the helper fills from them
-        sampling, logits = self._start_forks(update, output.logits)
+        sampling, logits = self._start_forks(update, logits)
         constrain = None
         if masks is not None or any(fork.child.matcher is not None for fork in update.forks):
             def constrain(work: torch.Tensor) -> None:
@@ -222,18 +238,22 @@ class Engine:
         return update.sampling + children, torch.cat([logits, logits[[fork.row for fork in update.forks]]])
 
     def _advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
-        """Append the token sampled in `row`, then check stops: a stop token (not emitted), a stop
-        string, the length."""
+        """Append the token sampled in `row`, then check stops."""
         token = result.token_ids[row]
         delta = Delta(seq.request_id, [token], index=seq.index)
         if not seq.output_ids:
             self._attach_prompt_logprobs(seq, delta)
-        seq.output_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         if result.logprobs is not None and seq.params.logprobs is not None:
             delta.logprobs = [result.logprobs[row]]
             delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
+        return self._emit(seq, token, delta, now)
+
+    def _emit(self, seq: Sequence, token: int, delta: Delta, now: float) -> Delta:
+        """Append one token (already in `delta`), then check stops: a stop token (not emitted), a
+        stop string, the length."""
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
         text = self._texts[(seq.request_id, seq.index)]
         grammar_open = grammar.accept(seq, token)  # False: the grammar ended (or refused: it stops too)
         is_eos = token in self.eos_token_ids
@@ -264,6 +284,42 @@ class Engine:
         if seq.params.prompt_logprobs is not None and seq.index == 0:
             delta.prompt_logprobs = list(seq.prompt_logprobs)  # the delta crosses to the event loop's thread
             delta.prompt_top_logprobs = list(seq.prompt_top_logprobs)
+
+    # -- speculative decoding (workers/engine/speculative.py) ---------------------------------------
+    def _propose_drafts(self) -> None:
+        """Each decoding sequence's draft for the coming step (the scheduler takes it or drops it)."""
+        if self.drafter is None:
+            return
+        decoding = [s for s in self.scheduler.running
+                    if s.status is Status.RUNNING and s.output_len > 0 and s.computed_len == s.total_len - 1]
+        crowded = len(decoding) > self.config.speculative_max_batch
+        for seq in decoding:
+            k = 0 if crowded or not speculative.eligible(seq) else speculative.draft_budget(
+                seq, self.config.speculative_tokens, self.max_context)
+            seq.draft_ids = self.drafter.propose(seq.all_ids, k) if k and speculative.wants_draft(seq) else []
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int], now: float) -> Delta:
+        """Emit a drafted sequence's verified tokens one by one (each with the stop checks), then
+        settle its KV: accepted slots kept, the rest rolled back."""
+        tokens = speculative.verify(rows, draft, seq)
+        accepted = len(tokens) - 1
+        stats = self.spec_stats
+        stats.drafted_tokens += len(draft)
+        stats.accepted_tokens += accepted
+        stats.verifications += 1
+        speculative.record(seq, len(draft), accepted)
+        merged = Delta(seq.request_id, index=seq.index)
+        for token in tokens:
+            delta = self._emit(seq, token, Delta(seq.request_id, [token], index=seq.index), now)
+            merged.token_ids += delta.token_ids
+            merged.text += delta.text
+            merged.finish_reason, merged.usage = delta.finish_reason, delta.usage
+            if seq.finished:
+                break
+        self.scheduler.vtc.charge(seq.namespace, output_tokens=accepted)  # the step charged one token
+        if not seq.finished:
+            self.scheduler.settle_draft(seq, accepted)
+        return merged
 
     def _final_delta(self, seq: Sequence, delta: Delta, flush: bool = True) -> Delta:
         """Close one choice; the request's last open choice also reports usage and retires it."""
@@ -325,6 +381,7 @@ class Engine:
             "preemptions": self.scheduler.preemptions,
             "scheduling": self.scheduler.policy,
             "tenants": self.scheduler.tenant_stats(),
+            "speculative": {"mode": self.config.speculative, **self.spec_stats.as_dict()},
         }
 
     def all_blocks_free_or_evictable(self) -> bool:

@@ -84,6 +84,12 @@ class Sequence:
     # dropped by a preemption that comes before they are complete. Forked choices share their parent's.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # speculative decoding (workers/engine/speculative.py): the draft the engine proposed for the next
+    # step (the scheduler takes it into the batch or drops it), and the adaptive acceptance state
+    draft_ids: list[int] = field(default_factory=list)
+    spec_rate: float = 1.0  # moving average of the share of drafted tokens accepted
+    spec_cooldown: int = 0  # steps left without drafting
+    spec_backoff: int = 0  # the last cool-down (doubles while acceptance stays low)
 
     @property
     def prompt_len(self) -> int:

@@ -39,13 +39,16 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
         sequences that reach their newest token (they sample next), in batch order, and the prompt
-        logprobs of the prompt positions computed in this step by sequences that ask for them."""
+        logprobs of the prompt positions computed in this step by sequences that ask for them. A
+        sequence with a speculative draft of k tokens has k + 1 consecutive rows (its newest token's,
+        then each draft token's)."""
         self.kv.copy_blocks(batch.block_copies)
         tokens: list[int] = []
         context_lens, tables, sampling_rows = [], [], []
-        for row, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new, batch.samples, strict=True)):
+        for row, (seq, n, samples, draft) in enumerate(zip(batch.seqs, batch.num_new, batch.samples, batch.drafts,
+                                                           strict=True)):
             end = seq.computed_len + n
-            tokens.extend(seq.all_ids[seq.computed_len : end])
+            tokens.extend((seq.all_ids + draft if draft else seq.all_ids)[seq.computed_len : end])
             context_lens.append(end)
             assert seq.block_table is not None
             tables.append(seq.block_table)
@@ -55,7 +58,10 @@ class ModelRunner:
         meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, self.table_rows.gather(tables),
                                                   self.kv.block_size, backend=self.backend)
         last_token = (meta.query_start[1:] - 1).long()
-        wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
+        if batch.has_drafts:
+            wanted = _draft_rows(batch, sampling_rows, device)
+        else:
+            wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         spans = prompt_logprobs.prompt_spans(batch.seqs, batch.num_new)
         if spans:  # the hidden states of every prompt position asked for, reduced slice by slice
@@ -68,3 +74,17 @@ class ModelRunner:
             if graph_logits is not None:
                 return StepOutput(graph_logits)
         return StepOutput(self.model(input_ids, self.kv, meta, wanted))  # [0, V] when only partial prefills ran
+
+
+def _draft_rows(batch: ScheduledBatch, sampling_rows: list[int], device: torch.device) -> torch.Tensor:
+    """Token indices whose logits a step with drafts returns: each sampling sequence's last
+    1 + len(draft) tokens (the last one alone without a draft), in batch order."""
+    starts, total = [], 0
+    for n in batch.num_new:
+        starts.append(total)
+        total += n
+    wanted: list[int] = []
+    for row in sampling_rows:
+        end = starts[row] + batch.num_new[row]
+        wanted.extend(range(end - 1 - len(batch.drafts[row]), end))
+    return torch.tensor(wanted, dtype=torch.long, device=device)

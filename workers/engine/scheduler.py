@@ -51,17 +51,27 @@ class ScheduledBatch:
     # (unless it asked for max_tokens 0: the engine finishes it once its prompt is computed)
     samples: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+    # speculative drafts verified this step (workers/engine/speculative.py): a drafted sequence runs its
+    # newest token + the draft (num_new = 1 + len(draft)) and gets logits at all those positions
+    drafts: list[list[int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
+    def add(self, seq: Sequence, num_new: int, copies: list[tuple[int, int]], draft: list[int] | None = None) -> None:
+        draft = draft or []
         self.seqs.append(seq)
         self.num_new.append(num_new)
-        self.samples.append(seq.computed_len + num_new == seq.total_len and seq.params.max_tokens > 0)
+        self.samples.append(seq.computed_len + num_new - len(draft) == seq.total_len and seq.params.max_tokens > 0)
         self.block_copies.extend(copies)
+        self.drafts.append(draft)
 
     def ordered(self) -> ScheduledBatch:
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new[i] != 1)
         return ScheduledBatch([self.seqs[i] for i in order], [self.num_new[i] for i in order],
-                              [self.samples[i] for i in order], self.block_copies)
+                              [self.samples[i] for i in order], self.block_copies,
+                              [self.drafts[i] for i in order])
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
     @property
     def sampling(self) -> list[Sequence]:
@@ -141,11 +151,17 @@ class Scheduler:
         for seq in running_order(self.running, self.policy, self.vtc):
             if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
                 continue
-            num_new = min(seq.total_len - seq.computed_len, budget)
-            copies = self._grow(seq, num_new, scheduled)
+            draft, seq.draft_ids = seq.draft_ids, []  # the engine's proposal, for this step only
+            copies = self._grow_draft(seq, draft, budget)
             if copies is None:
-                continue  # seq itself was preempted or finished
-            batch.add(seq, num_new, copies)
+                draft = []
+                num_new = min(seq.total_len - seq.computed_len, budget)
+                copies = self._grow(seq, num_new, scheduled)
+                if copies is None:
+                    continue  # seq itself was preempted or finished
+            else:
+                num_new = 1 + len(draft)
+            batch.add(seq, num_new, copies, draft)
             scheduled.add(seq)
             budget -= num_new
         # Next uncached block of each sequence computing its prompt: a waiting sequence whose next
@@ -195,6 +211,14 @@ class Scheduler:
                 return None
         return copies
 
+    def _grow_draft(self, seq: Sequence, draft: list[int], budget: int) -> list[tuple[int, int]] | None:
+        """Blocks for a decoding sequence's newest token + its draft, when the budget and free (or
+        evictable) blocks allow without preempting anyone; None: it runs without the draft."""
+        if not draft or seq.computed_len != seq.total_len - 1 or 1 + len(draft) > budget:
+            return None
+        assert seq.block_table is not None
+        return self.cache.try_grow(seq.block_table, 1 + len(draft))
+
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int | None:
         """Tokens scheduled for seq (0 if it had to finish: it can never fit); None when blocks are short."""
         # seq now holds the matched blocks; the hit is counted below, once it is admitted. A sequence
@@ -239,9 +263,10 @@ class Scheduler:
         computed whole blocks, and fork the pending choices (n > 1) of the sequences whose prompt
         is now computed. Runs before sampling: forked choices draw their first token from their
         parent's logits in the same draw."""
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-            seq.computed_len += n
-            self._commit_computed(seq)
+        for seq, n, draft in zip(batch.seqs, batch.num_new, batch.drafts, strict=True):
+            seq.computed_len += n - len(draft)  # a draft's slots count once verified (`settle_draft`)
+            if not draft:
+                self._commit_computed(seq)
         sampling = batch.sampling
         forks = []
         for row, parent in enumerate(sampling):
@@ -252,6 +277,18 @@ class Scheduler:
                 forks.append(Fork(parent, self._fork(parent, index), row))
             parent.pending_forks = 0
         return StepUpdate(sampling, forks)
+
+    def settle_draft(self, seq: Sequence, accepted: int) -> None:
+        """After verification: the first `accepted` draft slots hold K/V of tokens now in the output;
+        the rest are rolled back (blocks wholly beyond given back). Only then are whole blocks
+        committed to the prefix tree, so it never indexes a rejected token."""
+        table = seq.block_table
+        if table is None:  # finished while its tokens were appended: released already
+            return
+        seq.computed_len += accepted
+        assert seq.computed_len <= seq.total_len
+        table.truncate(seq.computed_len)
+        self._commit_computed(seq)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Choice `index` of parent's request: shares every block (copy-on-write for the partly

@@ -45,6 +45,19 @@ class EngineCollector(Collector):
                                   value=sum(s.get("miss_tokens", 0) for s in cache))
         yield CounterMetricFamily("tollway_worker_preemptions", "Sequences preempted (recomputed later)",
                                   value=state.get("preemptions", 0))
+        spec = state.get("speculative")
+        if spec is not None:  # speculative decoding (workers/engine/speculative.py)
+            yield CounterMetricFamily("tollway_worker_speculative_drafted_tokens",
+                                      "Draft tokens proposed and verified", value=spec["drafted_tokens"])
+            yield CounterMetricFamily("tollway_worker_speculative_accepted_tokens",
+                                      "Draft tokens accepted by verification", value=spec["accepted_tokens"])
+            yield CounterMetricFamily("tollway_worker_speculative_verifications",
+                                      "Sequence-steps that verified a draft", value=spec["verifications"])
+            yield GaugeMetricFamily("tollway_worker_speculative_acceptance_rate",
+                                    "Accepted / drafted tokens since start", value=spec["acceptance_rate"])
+            yield GaugeMetricFamily("tollway_worker_speculative_mean_accepted_length",
+                                    "Accepted draft tokens per verification since start",
+                                    value=spec["mean_accepted_length"])
         yield from _tenant_families(state.get("tenants", {}))
 
 

@@ -1,0 +1,55 @@
+"""Speculative decoding's figures on the worker's /metrics and /internal/info, and the settings'
+startup check (issue 23)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ops.offline import engine_config
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.loader import LoadedModel
+from workers.server.app import create_worker_app
+from workers.settings import WorkerSettings
+
+
+@pytest.mark.asyncio
+async def test_worker_metrics_report_drafted_and_accepted_tokens(aiohttp_client, tiny: LoadedModel) -> None:
+    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8, speculative="ngram"), name="tiny"))
+    try:
+        client = await aiohttp_client(create_worker_app(engine, secret="s"), headers={"Authorization": "Bearer s"})
+        body = {"request_id": "r1", "namespace": "t", "prompt_token_ids": list(range(5, 15)) * 4,
+                "sampling": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}}
+        await (await client.post("/internal/generate", json=body)).read()
+        text = await (await client.get("/metrics")).text()
+        info = await (await client.get("/internal/info")).json()
+    finally:
+        engine.shutdown()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    spec = info["speculative"]
+    assert spec["mode"] == "ngram" and spec["drafted_tokens"] > 0
+    assert values["tollway_worker_speculative_drafted_tokens_total"] == spec["drafted_tokens"]
+    assert values["tollway_worker_speculative_accepted_tokens_total"] == spec["accepted_tokens"]
+    assert 0 <= values["tollway_worker_speculative_acceptance_rate"] <= 1
+    assert values["tollway_worker_speculative_acceptance_rate"] == pytest.approx(
+        spec["accepted_tokens"] / spec["drafted_tokens"])
+    assert values["tollway_worker_speculative_mean_accepted_length"] == pytest.approx(
+        spec["accepted_tokens"] / spec["verifications"])
+
+
+def test_settings_pass_speculation_and_refuse_the_unbuilt_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE_TOKENS", "6")
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE_MAX_BATCH", "1")
+    config = engine_config(WorkerSettings())
+    assert config.speculative == "ngram" and config.speculative_tokens == 6 and config.speculative_ngram == 3
+    assert config.speculative_max_batch == 1
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE", "draft")
+    with pytest.raises(click.ClickException, match="not built yet"):
+        engine_config(WorkerSettings())
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
+    monkeypatch.setenv("TOLLWAY_SPECULATIVE_TOKENS", "0")
+    with pytest.raises(click.ClickException, match="at least 1"):
+        engine_config(WorkerSettings())
