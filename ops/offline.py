@@ -9,8 +9,9 @@ import click
 import torch
 from rich.console import Console
 
+from workers.engine.config import EngineConfig
 from workers.engine.drafter import make_drafter
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine import Engine
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload

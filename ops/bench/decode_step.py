@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import native
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.assets import resolve_model_folder
 from workers.models.llama import DecoderLayer, LlamaForCausalLM
 from workers.models.loader import load_model

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.request import Sequence
 from workers.models.assets import resolve_model_folder
 from workers.models.llama import DecoderLayer

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from ops.bench.engine_gsp import workload
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import load_model
 from workers.precision import resolve_dtype

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from workers.engine.admission import POLICIES, Policy
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.fairness import W_IN, W_OUT
 from workers.engine.request import Sequence
 from workers.models.assets import resolve_model_folder

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ops.bench.engine_gsp import workload
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload

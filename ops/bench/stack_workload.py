@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.request import Sequence
 from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams

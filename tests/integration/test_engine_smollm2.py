@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.paged_step import prefill_logits

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
 from workers.wire.sampling import SamplingParams

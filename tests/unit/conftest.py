@@ -9,7 +9,9 @@ import pytest_asyncio
 import torch
 
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Delta, Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.deltas import Delta
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel, load_model
 from workers.server.app import create_worker_app
 

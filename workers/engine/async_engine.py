@@ -22,7 +22,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.engine import Delta, Engine
+from workers.engine.deltas import Delta
+from workers.engine.engine import Engine
 from workers.engine.phase_spans import TraceParent
 from workers.engine.request import Priority
 from workers.wire.sampling import SamplingParams

@@ -4,6 +4,8 @@ report deltas.
 Ownership: the scheduler (scheduler.py) owns the sequences' state and, through the KV cache facade
 (cache.manager.KVCacheManager), their blocks; the engine owns what a request needs beyond that:
 each choice's generator, detokenizer and spans, the stop checks, the deltas and the usage.
+Its settings live in workers/engine/config.py, what it reports (`Delta`) in workers/engine/deltas.py,
+and the speculative decoding steps it calls (drafting, verifying) in workers/engine/speculative.py.
 Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 from opentelemetry.trace import Tracer
@@ -20,67 +21,23 @@ from opentelemetry.trace import Tracer
 from cache.block_pool import BlockPool
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
-from kernels.dispatch import AttentionChoice, select_backend
+from kernels.dispatch import select_backend
 from workers.engine import grammar, speculative
-from workers.engine.admission import Policy
+from workers.engine.batch import StepUpdate
+from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
 from workers.engine.detokenize import OutputText
-from workers.engine.drafter import SpeculativeMode, make_drafter
+from workers.engine.drafter import make_drafter
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner import ModelRunner
 from workers.engine.sampler import SampleResult, sample
-from workers.engine.scheduler import Scheduler, StepUpdate
+from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel
 from workers.models.packed_linear import pack_linears
 from workers.wire.sampling import SamplingParams
-
-
-@dataclass
-class Delta:
-    """What one step produced for one choice of a request. A choice's last delta carries its
-    finish_reason; the request's very last delta (all n choices finished) also carries usage."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # params.prompt_logprobs: on choice 0's first delta once the prompt is computed (Sequence.prompt_logprobs)
-    prompt_logprobs: list[float] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-    index: int = 0
-
-
-@dataclass
-class _Request:
-    """Per-request bookkeeping across its n choices."""
-
-    parent: Sequence
-    open_choices: int  # not yet finished, counting choices not yet forked
-    completion_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 8  # 16 left up to 12% of allocated slots empty at peak when decodes cross blocks together
-    num_blocks: int | None = None  # None: sized from kv_budget_bytes
-    kv_budget_bytes: int = 2 * 2**30
-    max_batch_tokens: int = 1024
-    max_running: int = 64
-    max_running_per_tenant: int = 0  # 0: no cap on one tenant's running sequences (admission.py)
-    max_wait_s: float = 30.0
-    max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
-    attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
-    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
-    scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
-    speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
-    speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)
-    speculative_ngram: int = 3  # the ngram drafter's longest match (n); it tries n, n-1, ..., 1
-    speculative_max_batch: int = 16  # nobody drafts while more sequences than this decode (compute-bound)
 
 
 class Engine:
@@ -114,7 +71,7 @@ class Engine:
         self.spec_stats = speculative.SpecStats()
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
         self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, OpenRequest] = {}
         self._texts: dict[tuple[str, int], OutputText] = {}
         # Spans of traced requests' phases; None when tracing is off (then the step loop does no tracing work).
         self._phases = PhaseSpans(tracer) if tracer is not None else None
@@ -135,7 +92,7 @@ class Engine:
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         self.sequences[request_id] = seq
-        self._requests[request_id] = _Request(seq, params.n)
+        self._requests[request_id] = OpenRequest(seq, params.n)
         self._texts[(request_id, 0)] = OutputText(self.loaded.tokenizer, params.stop)
         self.scheduler.add(seq)
         if trace is not None and self._phases is not None:
@@ -182,7 +139,9 @@ class Engine:
         phases = self._phases
         if phases is not None:
             start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
-        self._propose_drafts()
+        if self.drafter is not None:
+            speculative.propose_drafts(self.scheduler.running, self.drafter, self.config.speculative_tokens,
+                                       self.config.speculative_max_batch, self.max_context)
         batch = self.scheduler.schedule()
         if phases is not None and self.scheduler.preemptions != preemptions:
             phases.preempted(start_ns)
@@ -206,7 +165,8 @@ class Engine:
         if batch.has_drafts:
             update, logits, verified = speculative.split_drafted(update, logits, drafts)
             now = time.monotonic()
-            deltas.extend(self._verify(seq, rows, draft, now) for seq, rows, draft in verified)
+            deltas.extend(speculative.emit_verified(seq, rows, draft, now, self._emit, self.scheduler, self.spec_stats)
+                          for seq, rows, draft in verified)
         if not update.sampling:
             return deltas
         if masks is not None and update.forks:
@@ -242,7 +202,7 @@ class Engine:
         token = result.token_ids[row]
         delta = Delta(seq.request_id, [token], index=seq.index)
         if not seq.output_ids:
-            self._attach_prompt_logprobs(seq, delta)
+            attach_prompt_logprobs(seq, delta)
         if result.logprobs is not None and seq.params.logprobs is not None:
             delta.logprobs = [result.logprobs[row]]
             delta.top_logprobs = [result.top_logprobs[row]] if result.top_logprobs else None
@@ -274,52 +234,9 @@ class Engine:
     def _prefilled(self, seq: Sequence) -> Delta:
         """A max_tokens 0 request whose prompt is now computed: it ends ("length") with no token."""
         delta = Delta(seq.request_id, index=seq.index)
-        self._attach_prompt_logprobs(seq, delta)
+        attach_prompt_logprobs(seq, delta)
         self.scheduler.finish(seq, FinishReason.LENGTH)
         return self._final_delta(seq, delta)
-
-    @staticmethod
-    def _attach_prompt_logprobs(seq: Sequence, delta: Delta) -> None:
-        """The prompt's logprobs go out once, on choice 0's first delta after its prompt is computed."""
-        if seq.params.prompt_logprobs is not None and seq.index == 0:
-            delta.prompt_logprobs = list(seq.prompt_logprobs)  # the delta crosses to the event loop's thread
-            delta.prompt_top_logprobs = list(seq.prompt_top_logprobs)
-
-    # -- speculative decoding (workers/engine/speculative.py) ---------------------------------------
-    def _propose_drafts(self) -> None:
-        """Each decoding sequence's draft for the coming step (the scheduler takes it or drops it)."""
-        if self.drafter is None:
-            return
-        decoding = [s for s in self.scheduler.running
-                    if s.status is Status.RUNNING and s.output_len > 0 and s.computed_len == s.total_len - 1]
-        crowded = len(decoding) > self.config.speculative_max_batch
-        for seq in decoding:
-            k = 0 if crowded or not speculative.eligible(seq) else speculative.draft_budget(
-                seq, self.config.speculative_tokens, self.max_context)
-            seq.draft_ids = self.drafter.propose(seq.all_ids, k) if k and speculative.wants_draft(seq) else []
-
-    def _verify(self, seq: Sequence, rows: torch.Tensor, draft: list[int], now: float) -> Delta:
-        """Emit a drafted sequence's verified tokens one by one (each with the stop checks), then
-        settle its KV: accepted slots kept, the rest rolled back."""
-        tokens = speculative.verify(rows, draft, seq)
-        accepted = len(tokens) - 1
-        stats = self.spec_stats
-        stats.drafted_tokens += len(draft)
-        stats.accepted_tokens += accepted
-        stats.verifications += 1
-        speculative.record(seq, len(draft), accepted)
-        merged = Delta(seq.request_id, index=seq.index)
-        for token in tokens:
-            delta = self._emit(seq, token, Delta(seq.request_id, [token], index=seq.index), now)
-            merged.token_ids += delta.token_ids
-            merged.text += delta.text
-            merged.finish_reason, merged.usage = delta.finish_reason, delta.usage
-            if seq.finished:
-                break
-        self.scheduler.vtc.charge(seq.namespace, output_tokens=accepted)  # the step charged one token
-        if not seq.finished:
-            self.scheduler.settle_draft(seq, accepted)
-        return merged
 
     def _final_delta(self, seq: Sequence, delta: Delta, flush: bool = True) -> Delta:
         """Close one choice; the request's last open choice also reports usage and retires it."""
@@ -331,14 +248,8 @@ class Engine:
         if self._phases is not None:
             self._phases.finish(seq, time.time_ns(), delta.finish_reason)
         self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
-        request = self._requests[seq.request_id]
-        request.completion_tokens += seq.output_len
-        request.open_choices -= 1 + seq.pending_forks  # choices never forked close with their parent
-        seq.pending_forks = 0
-        if request.open_choices == 0:
-            parent = request.parent
-            delta.usage = {"prompt_tokens": parent.prompt_len, "cached_tokens": parent.prompt_cached_len,
-                           "completion_tokens": request.completion_tokens}
+        delta.usage = self._requests[seq.request_id].close_choice(seq)
+        if delta.usage is not None:
             del self._requests[seq.request_id], self.sequences[seq.request_id]
         return delta
 

@@ -15,9 +15,9 @@ import torch
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
 from workers.engine import prompt_logprobs
+from workers.engine.batch import ScheduledBatch
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.prompt_logprobs import PromptLogprobs
-from workers.engine.scheduler import ScheduledBatch
 from workers.engine.table_rows import BlockTableRows
 from workers.models.llama import LlamaForCausalLM
 

@@ -1,4 +1,6 @@
-"""Speculative decoding's engine side: who drafts this step, and verifying drafts exactly.
+"""Speculative decoding's engine side: who drafts this step (`propose_drafts`), verifying drafts
+exactly (`verify`), and emitting the verified tokens through the engine's stop checks
+(`emit_verified`).
 
 A decoding sequence with a draft t1..tk runs k + 1 tokens in the batched step (its newest token,
 then the draft: extend-style attention over those positions on its paged KV), and the model's
@@ -22,13 +24,17 @@ real time there).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from workers.engine.request import Sequence
+from workers.engine.batch import Fork, StepUpdate
+from workers.engine.deltas import Delta
+from workers.engine.drafter import Drafter
+from workers.engine.request import Sequence, Status
 from workers.engine.sampler import truncate
-from workers.engine.scheduler import Fork, StepUpdate
+from workers.engine.scheduler import Scheduler
 
 EMA = 0.3  # weight of the newest step in a sequence's acceptance rate
 MIN_RATE = 0.25  # below this a sequence pauses drafting
@@ -67,6 +73,16 @@ def wants_draft(seq: Sequence) -> bool:
         seq.spec_cooldown -= 1
         return False
     return True
+
+
+def propose_drafts(running: list[Sequence], drafter: Drafter, k: int, max_batch: int, max_context: int) -> None:
+    """Each decoding sequence's draft for the coming step (the scheduler takes it or drops it)."""
+    decoding = [s for s in running
+                if s.status is Status.RUNNING and s.output_len > 0 and s.computed_len == s.total_len - 1]
+    crowded = len(decoding) > max_batch
+    for seq in decoding:
+        budget = 0 if crowded or not eligible(seq) else draft_budget(seq, k, max_context)
+        seq.draft_ids = drafter.propose(seq.all_ids, budget) if budget and wants_draft(seq) else []
 
 
 def record(seq: Sequence, drafted: int, accepted: int) -> None:
@@ -112,6 +128,31 @@ def verify(rows: torch.Tensor, draft: list[int], seq: Sequence) -> list[int]:
         return out
     out.append(_draw(probs[len(draft)], gen))
     return out
+
+
+def emit_verified(seq: Sequence, rows: torch.Tensor, draft: list[int], now: float,
+                  emit: Callable[[Sequence, int, Delta, float], Delta], scheduler: Scheduler,
+                  stats: SpecStats) -> Delta:
+    """Emit a drafted sequence's verified tokens one by one through the engine's `emit` (each with
+    the stop checks), then settle its KV: accepted slots kept, the rest rolled back."""
+    tokens = verify(rows, draft, seq)
+    accepted = len(tokens) - 1
+    stats.drafted_tokens += len(draft)
+    stats.accepted_tokens += accepted
+    stats.verifications += 1
+    record(seq, len(draft), accepted)
+    merged = Delta(seq.request_id, index=seq.index)
+    for token in tokens:
+        delta = emit(seq, token, Delta(seq.request_id, [token], index=seq.index), now)
+        merged.token_ids += delta.token_ids
+        merged.text += delta.text
+        merged.finish_reason, merged.usage = delta.finish_reason, delta.usage
+        if seq.finished:
+            break
+    scheduler.vtc.charge(seq.namespace, output_tokens=accepted)  # the step charged one token
+    if not seq.finished:
+        scheduler.settle_draft(seq, accepted)
+    return merged
 
 
 def split_drafted(update: StepUpdate, logits: torch.Tensor, drafts: list[list[int]],

@@ -13,7 +13,8 @@ from gateway.settings import GatewaySettings
 from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import ADMIN, MODEL, chat, make_tenant_key
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.server.app import create_worker_app
 
 

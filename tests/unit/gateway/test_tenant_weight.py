@@ -14,7 +14,8 @@ from ops.cli import cli
 from ops.fake_worker import FAKE_WORKER_SECRET
 from tests.unit.gateway.test_gateway_api import ADMIN
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 from workers.wire.generate import BadRequest, generate_body, parse_generate

@@ -26,7 +26,8 @@ from gateway.state import POOL
 from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import make_tenant_key
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 from workers.tracing import WorkerTracing

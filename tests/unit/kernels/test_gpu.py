@@ -14,7 +14,8 @@ import torch
 from kernels import reference
 from kernels.dispatch import select_backend
 from tests.unit.kernels.test_kernels import FULL_GRID, make_case, tolerance
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.request import FinishReason
 from workers.wire.sampling import SamplingParams
 

@@ -12,7 +12,8 @@ import pytest_asyncio
 
 from ops.fake_worker import FAKE_WORKER_KEY, FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 

@@ -16,7 +16,8 @@ import transformers
 from click.testing import CliRunner
 
 from ops.cli import cli
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.loader import load_model
 from workers.paged_step import prefill_logits

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks, accept
 from workers.engine.request import FinishReason, Sequence
 from workers.generate import SamplingParams as PlainParams

@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from workers.engine import prompt_logprobs
-from workers.engine.engine import Delta, Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.deltas import Delta
+from workers.engine.engine import Engine
 from workers.engine.request import FinishReason
 from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel, load_model

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.request import FinishReason, Priority
 from workers.generate import SamplingParams as PlainParams
 from workers.generate import generate

@@ -15,7 +15,8 @@ from cache.block_table import BlockTable
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import unavailable
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models import fused_decode
 from workers.models.loader import load_model
 from workers.models.packed_linear import PackedLinear, pack_linears

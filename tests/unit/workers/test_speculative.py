@@ -11,8 +11,9 @@ import torch
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from workers.engine import speculative
+from workers.engine.config import EngineConfig
 from workers.engine.drafter import NgramDrafter, make_drafter
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.request import Sequence
 from workers.models.loader import LoadedModel, load_model
 from workers.paged_step import prefill_logits

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.observability.dashboard_render import DashboardData, panel
 from gateway.observability.live_stats import LiveStats
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 

@@ -8,7 +8,8 @@ import json
 import aiohttp
 import pytest
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams
 

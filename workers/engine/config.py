@@ -1,0 +1,31 @@
+"""The engine's settings (`EngineConfig`): cache size, batching limits, attention backend,
+scheduling policy and speculative decoding. `Engine` (workers/engine/engine.py) reads them once at
+start; the worker and the CLI build them from the worker's settings (`engine_config` in ops/offline.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.dispatch import AttentionChoice
+from workers.engine.admission import Policy
+from workers.engine.drafter import SpeculativeMode
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 8  # 16 left up to 12% of allocated slots empty at peak when decodes cross blocks together
+    num_blocks: int | None = None  # None: sized from kv_budget_bytes
+    kv_budget_bytes: int = 2 * 2**30
+    max_batch_tokens: int = 1024
+    max_running: int = 64
+    max_running_per_tenant: int = 0  # 0: no cap on one tenant's running sequences (admission.py)
+    max_wait_s: float = 30.0
+    max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
+    attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
+    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
+    scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
+    speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
+    speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)
+    speculative_ngram: int = 3  # the ngram drafter's longest match (n); it tries n, n-1, ..., 1
+    speculative_max_batch: int = 16  # nobody drafts while more sequences than this decode (compute-bound)
