@@ -5,7 +5,6 @@ past a sliding window where the family has one, and with two requests sharing a 
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -47,14 +46,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tokenizer_folder() -> Path:
-    home = os.environ.get("TOLLWAY_TEST_HOME")
-    folder = Path(home or "/nonexistent") / "models" / "smollm2-135m-instruct"
-    if not (folder / "tokenizer.json").exists():
-        pytest.skip("TOLLWAY_TEST_HOME has no converted default model (its tokenizer is reused here)")
-    return folder
-
-
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights scaled so activations stay well conditioned and greedy argmaxes are far from ties."""
     gen = torch.Generator().manual_seed(seed)
@@ -73,8 +64,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.08 * noise)
 
 
-def write_family(folder: Path, prefix: str, overrides: dict[str, Any], seed: int = 0) -> Path:
-    source = tokenizer_folder()
+def write_family(folder: Path, source: Path, prefix: str, overrides: dict[str, Any], seed: int = 0) -> Path:
+    """A random-weight model of one family saved with the tokenizer files of `source` (the default model's)."""
     vocab = len(transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json")))
     config = getattr(transformers, f"{prefix}Config")(vocab_size=vocab, **{**COMMON, **overrides})
     model = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")(config).eval()
@@ -91,9 +82,9 @@ SLOW = ("mixtral", "qwen3_moe", "qwen3_moe-topk-norm")  # > 10 s each on 2 share
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in sorted(FAMILIES)
 ])
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path):
     prefix, overrides = FAMILIES[request.param]
-    folder = write_family(tmp_path_factory.mktemp(request.param), prefix, overrides)
+    folder = write_family(tmp_path_factory.mktemp(request.param), smollm2_folder, prefix, overrides)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                 attn_implementation="eager").eval()
     return folder, load_model(folder, torch.float32), theirs
@@ -120,8 +111,9 @@ def test_engine_greedy_equals_transformers_with_shared_prefix(family) -> None:
 
 
 @pytest.mark.slow
-def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = write_family(tmp_path / "qwen3", "Qwen3", {})
+def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                smollm2_folder: Path) -> None:
+    folder = write_family(tmp_path / "qwen3", smollm2_folder, "Qwen3", {})
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     text = "The quick brown fox jumps over the lazy dog"
