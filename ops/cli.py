@@ -16,6 +16,8 @@ from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
 
 stderr = Console(stderr=True)
+QUANTIZATION_HELP = ("Weight-only quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's "
+                     "own Q4 blocks where the model came from one) [default: TOLLWAY_QUANTIZATION or none].")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,11 +32,14 @@ def cli() -> None:
               help="Engine workers (each gets an equal share of the CPU cores).")
 @click.option("--worker-port", type=click.IntRange(1, 65535), default=8100, show_default=True,
               help="Port of the first engine worker; the others follow.")
-def up(port: int, num_workers: int, worker_port: int) -> None:
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None,
+              help="The engine workers' weight quantization (passed as TOLLWAY_QUANTIZATION) "
+                   "[default: TOLLWAY_QUANTIZATION or none].")
+def up(port: int, num_workers: int, worker_port: int, quantization: str | None) -> None:
     """Start the gateway and the engine workers on embedded defaults, and keep them running."""
     from ops.supervisor import run_up
 
-    sys.exit(run_up(port, num_workers, worker_port, stderr))
+    sys.exit(run_up(port, num_workers, worker_port, stderr, quantization=quantization))
 
 
 @cli.command()
@@ -63,16 +68,19 @@ def gateway(host: str | None, port: int | None) -> None:
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
               help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
 @click.argument("prompt")
 def generate(
     model: str | None, chat: bool, max_tokens: int, temperature: float, seed: int | None,
-    dtype: str | None, prompt: str,
+    dtype: str | None, quantization: str | None, prompt: str,
 ) -> None:
     """Generate a completion offline (no server) and print it."""
     from ops.offline import run_generate
     from workers.settings import WorkerSettings
 
     settings = WorkerSettings()
+    if quantization is not None:
+        settings = settings.model_copy(update={"quantization": quantization})
     text = run_generate(
         settings,
         model=model or settings.model,
@@ -93,12 +101,15 @@ def generate(
 @click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
               help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
-def worker(model: str | None, host: str, port: int, dtype: str | None) -> None:
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
+def worker(model: str | None, host: str, port: int, dtype: str | None, quantization: str | None) -> None:
     """Run one engine worker: the internal generate/info API the gateway routes to."""
     from ops.worker import run_worker
     from workers.settings import WorkerSettings
 
     settings = WorkerSettings()
+    if quantization is not None:
+        settings = settings.model_copy(update={"quantization": quantization})
     run_worker(settings, model=model or settings.model, dtype=dtype or settings.dtype, host=host, port=port,
                console=stderr)
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quantize import QuantizationError
 from workers.models.tokenizer import tokenizer_payload
 from workers.precision import resolve_device, resolve_dtype
 from workers.settings import WorkerSettings
@@ -23,15 +24,16 @@ def set_threads(num_threads: int) -> None:
 
 
 def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
-    """Resolve (converting once if needed) and load a model onto the settings' device, with progress
-    on the console."""
+    """Resolve (converting once if needed) and load a model onto the settings' device, quantized as
+    the settings say, with progress on the console."""
     set_threads(settings.num_threads)
     try:
         device = resolve_device(settings.device)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
-        with console.status(f"Loading {model}…"):
+        quantized = "" if settings.quantization == "none" else f" ({settings.quantization})"
+        with console.status(f"Loading {model}{quantized}…"):
             folder = resolve_model_folder(
                 model,
                 settings.home,
@@ -39,8 +41,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
                     f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
                 ),
             )
-            return load_model(folder, resolve_dtype(dtype, device), device)
-    except (ModelNotFoundError, ModelFolderError) as exc:
+            return load_model(folder, resolve_dtype(dtype, device), device, settings.quantization)
+    except (ModelNotFoundError, ModelFolderError, QuantizationError) as exc:
         raise click.ClickException(str(exc)) from exc
 
 
