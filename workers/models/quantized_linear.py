@@ -27,10 +27,10 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.device, dtype), requires_grad=False)
-        self.cpu: CpuPacked | None = None
+        self.packed: CpuPacked | None = None
         self.quantized: QuantizedWeight | None = None
         if self.device.type == "cpu":
-            self.cpu = pack_for_cpu(weight, dtype, kernel)
+            self.packed = pack_for_cpu(weight, dtype, kernel)
         else:
             self.quantized = QuantizedWeight(
                 bits=weight.bits, qweight=weight.qweight.to(self.device), scales=weight.scales.to(self.device),
@@ -39,8 +39,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.cpu is not None:
-            out = cpu_matmul(flat, self.cpu)
+        if self.packed is not None:
+            out = cpu_matmul(flat, self.packed)
         else:
             from kernels.quantized.triton_matmul import quantized_matmul  # GPU only: Triton is loaded there
 
@@ -52,7 +52,7 @@ class QuantizedLinear(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes held by the quantized weight (codes, scales, zeros) and the bias."""
-        held = self.cpu.nbytes() if self.cpu is not None else self.quantized.nbytes() if self.quantized else 0
+        held = self.packed.nbytes() if self.packed is not None else self.quantized.nbytes() if self.quantized else 0
         return held + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def extra_repr(self) -> str:
