@@ -23,6 +23,8 @@ the folder's floats, since those are the blocks' values.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,4 +117,17 @@ def quantize_model(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], qu
                 summary.from_gguf += 1
             old = getattr(layer, name)
             setattr(layer, name, QuantizedLinear(weight, old.bias, model.dtype, model.device))
+    release_freed_heap()
     return summary
+
+
+def release_freed_heap() -> None:
+    """Hand the quantization's freed temporaries back to the OS (glibc keeps freed chunks of a few MB
+    in its heap once its mmap threshold has grown: measured ~+400 MB RSS for int8 without this)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # not glibc: nothing to trim this way
+        pass
