@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType
-from gguf.gguf_reader import GGUFReader, ReaderTensor
 
 from kernels.quantized.layout import QuantizedWeight, pack_int4
+from workers.models.gguf_file import GGUFTensor, read_gguf
 
 BLOCK = 32
 PROJECTION_TENSORS: dict[str, tuple[str, ...]] = {
@@ -48,7 +48,7 @@ def _fp16(blocks: np.ndarray, start: int) -> torch.Tensor:
     return torch.from_numpy(raw.astype(np.float32))
 
 
-def block_weight(tensor: ReaderTensor) -> QuantizedWeight:
+def block_weight(tensor: GGUFTensor) -> QuantizedWeight:
     """The [N, K] weight of a Q4_0, Q4_1 or Q8_0 tensor in the layout (group size 32)."""
     kind = GGMLQuantizationType(tensor.tensor_type)
     if len(tensor.shape) != 2 or int(tensor.shape[0]) % BLOCK:
@@ -95,10 +95,8 @@ class GGUFLinears:
 
     def __init__(self, path: Path, num_q_heads: int, num_kv_heads: int) -> None:
         self.path = path
-        self.reader = GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        field = self.reader.fields.get("general.architecture")
-        self.architecture = str(field.contents()) if field is not None else ""
+        table = read_gguf(path)
+        self.tensors, self.architecture = table.tensors, table.architecture
         self.heads = {"attn_q": num_q_heads, "attn_k": num_kv_heads}
 
     def types(self, layer: int, projection: str) -> set[GGMLQuantizationType]:

