@@ -48,7 +48,7 @@ class GGUFFile:
 
 class _Cursor:
     def __init__(self, buffer: np.ndarray) -> None:
-        self.buffer, self.pos = memoryview(buffer), 0
+        self.buffer, self.pos = buffer.data, 0  # the array's memoryview
 
     def take(self, fmt: str) -> int | float | bool:
         (value,) = struct.unpack_from("<" + fmt, self.buffer, self.pos)
