@@ -7,6 +7,7 @@ they never print made-up output.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -14,6 +15,9 @@ from rich.console import Console
 from ops.admin_cli import keys, tenants
 from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
+
+if TYPE_CHECKING:
+    from workers.settings import WorkerSettings
 
 stderr = Console(stderr=True)
 QUANTIZATION_HELP = ("Weight-only quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's "
@@ -23,6 +27,20 @@ QUANTIZATION_HELP = ("Weight-only quantization of the linear layers: int8 (per c
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """tollway: a self-hosted multi-tenant LLM serving platform."""
+
+
+def worker_settings() -> WorkerSettings:
+    """The engine side's settings from the environment; a bad TOLLWAY_* value is a usage error
+    (exit 2, the variable named) rather than a traceback."""
+    from pydantic import ValidationError
+
+    from workers.settings import WorkerSettings
+
+    try:
+        return WorkerSettings()
+    except ValidationError as exc:
+        problems = "; ".join(f"TOLLWAY_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        raise click.UsageError(problems) from exc
 
 
 @cli.command()
@@ -76,9 +94,8 @@ def generate(
 ) -> None:
     """Generate a completion offline (no server) and print it."""
     from ops.offline import run_generate
-    from workers.settings import WorkerSettings
 
-    settings = WorkerSettings()
+    settings = worker_settings()
     if quantization is not None:
         settings = settings.model_copy(update={"quantization": quantization})
     text = run_generate(
@@ -105,9 +122,8 @@ def generate(
 def worker(model: str | None, host: str, port: int, dtype: str | None, quantization: str | None) -> None:
     """Run one engine worker: the internal generate/info API the gateway routes to."""
     from ops.worker import run_worker
-    from workers.settings import WorkerSettings
 
-    settings = WorkerSettings()
+    settings = worker_settings()
     if quantization is not None:
         settings = settings.model_copy(update={"quantization": quantization})
     run_worker(settings, model=model or settings.model, dtype=dtype or settings.dtype, host=host, port=port,

@@ -62,6 +62,8 @@ def test_generate_quantized_and_its_errors(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert 1 <= len(result.stdout.split()) <= 5
     assert CliRunner().invoke(cli, [*args, "--quantization", "int3"]).exit_code == 2  # not a choice
+    from_env = CliRunner().invoke(cli, args, env={"TOLLWAY_QUANTIZATION": "int3"})
+    assert from_env.exit_code == 2 and "TOLLWAY_QUANTIZATION: Input should be 'none', 'int8' or 'int4'" in from_env.output
     odd = write_tiny_model_folder(tmp_path / "odd", hidden_size=48, head_dim=12)
     refused = CliRunner().invoke(cli, ["generate", "--model", str(odd), "--quantization", "int4", "w1"])
     assert refused.exit_code == 1
