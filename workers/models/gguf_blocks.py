@@ -13,8 +13,9 @@ The nibble order differs from the layout's (column 2j low, 2j + 1 high), so code
 repacked; that is exact. GGUF lists dims innermost first: a [N, K] weight has ne = (K, N), and its
 raw data is N rows of K / 32 blocks. llama.cpp's converter permutes the rows of llama-family q and
 k weights (rotary pairs interleaved); transformers' GGUF loader undoes it
-(`LlamaTensorProcessor._reverse_permute_weights`), and so does `ROW_PERMUTED` here, on whole rows:
-groups run along K, so a row's blocks move with it.
+(`LlamaTensorProcessor._reverse_permute_weights`), and so does `permute_rows` here (for the
+architectures in `ROW_PERMUTED_ARCHITECTURES`), on whole rows: groups run along K, so a row's
+blocks move with it. The file's tensor table comes from workers/models/gguf_file.py.
 """
 
 from __future__ import annotations
