@@ -108,6 +108,8 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
     if weight.bits == 8:
         scales = weight.scales.reshape(n).to(dtype).contiguous()
         return CpuPacked("torch", 8, weight.qweight.contiguous(), scales, None, k, dtype, (n, k))
+    if n % 16:
+        raise ValueError(f"torch's CPU int4 packing takes out_features in multiples of 16, not {n}")
     assert weight.mins is not None
     codes = unpack_int4(weight.qweight).to(torch.int32).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # inner_k_tiles: unused on CPU

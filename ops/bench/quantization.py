@@ -188,9 +188,10 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(QUANTIZATIONS))
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     parser.add_argument("--child", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     folder = resolve_model_folder(args.model, args.home)
     if args.child:
         print(json.dumps(child(folder, args.dtype, args.child, args.tokens, args.repeats)))
@@ -214,7 +215,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         command = [sys.executable, str(Path(__file__).resolve()), "--child", fmt, "--model", args.model,
                    "--home", str(args.home), "--dtype", args.dtype, "--tokens", str(args.tokens),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), "--threads", str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             print(f"{fmt:>6} failed:\n{done.stderr[-2000:]}")

@@ -2,7 +2,9 @@
 //
 // y [M, N] = x [M, K] @ W.T with W dequantized on the fly, never materialised; x fp32 or bf16, y in
 // x's dtype; all arithmetic in fp32 with the scales and mins as given (fp32). Made for the decode
-// step's small M: each weight row is read once per pass of kRows activation rows, which stay in L1/L2.
+// step's small M: tiles of 4-8 weight rows against kRows activation rows at a time (independent FMA
+// chains), the tile's weight rows in L1 for all passes over x's rows; from DEQUANTIZE_FROM_ROWS rows
+// (kernels/quantized/cpu.py) the caller dequantizes once (the *_dequantize ops) and runs a GEMM.
 //
 // int4: qweight uint8 [N, K / 2] in blocks of 32 codes (16 bytes): byte j of a block holds code j in
 //   its low nibble and code j + 16 in its high one (GGUF's Q4 order; kernels/quantized/cpu.py repacks
@@ -19,6 +21,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -26,7 +30,11 @@ using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t kBlock = 32;  // int4 codes per 16-byte block
-constexpr int64_t kRows = 4;    // activation rows sharing one pass over a weight row
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kRows = 4;  // activation rows sharing one pass over a tile of weight rows (32 vector registers)
+#else
+constexpr int64_t kRows = 2;  // (16 vector registers)
+#endif
 constexpr int64_t kGrainRows = 16;
 
 inline float sum_all(const Vec& v) {
@@ -66,48 +74,93 @@ inline void store_out(T* dst, float value) {
   *dst = static_cast<T>(value);  // c10::BFloat16 rounds to nearest even, as torch does
 }
 
-// R rows of x (fp32, row stride K) against int4 weight row n -> y[r * N + n].
-template <typename T, int64_t R>
-inline void int4_row(const float* x, const float* xsum, int64_t K, int64_t G, int64_t group, const uint8_t* w,
-                     const float* scale, const float* mins, T* y, int64_t N) {
-  Vec acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = Vec(0.f);
+// One tile: R rows of x (fp32, row stride K) against C consecutive weight rows (row stride K / 2) ->
+// y[r * N + c]. The R x C accumulators are independent FMA chains (C = 8 when R = 1, so a single
+// decode row still keeps the FMA units busy); x's rows and the tile's weight rows stay in L1.
+template <typename T, int64_t R, int64_t C>
+inline void int4_tile(const float* x, const float* minterm, int64_t K, int64_t G, int64_t group, const uint8_t* w,
+                      const float* scale, T* y, int64_t N) {
+  Vec acc[R][C];
+  #pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
   for (int64_t g = 0; g < G; ++g) {
-    const Vec s(scale[g]);
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kBlock) {
-      Vec q[kBlock / W];
-      load_int4_block(w + k0 / 2, q);
-      for (int64_t j = 0; j < kBlock / W; ++j) {
-        const Vec wv = q[j] * s;
-        for (int64_t r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), wv, acc[r]);
+      #pragma GCC unroll 8
+      for (int64_t c = 0; c < C; ++c) {
+        const Vec s(scale[c * G + g]);
+        Vec q[kBlock / W];
+        load_int4_block(w + c * (K / 2) + k0 / 2, q);
+        #pragma GCC unroll 8
+        for (int64_t j = 0; j < kBlock / W; ++j) {
+          const Vec wv = q[j] * s;
+          #pragma GCC unroll 8
+          for (int64_t r = 0; r < R; ++r) {
+            acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), wv, acc[r][c]);
+          }
+        }
       }
     }
   }
+  #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) {
-    float total = sum_all(acc[r]);
-    for (int64_t g = 0; g < G; ++g) total += mins[g] * xsum[r * G + g];
-    store_out(y + r * N, total);
-  }
-}
-
-template <typename T, int64_t R>
-inline void int8_row(const float* x, int64_t K, const int8_t* w, float scale, T* y, int64_t N) {
-  Vec acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = Vec(0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    Vec q[16 / W];
-    load_int8_16(w + k0, q);
-    for (int64_t j = 0; j < 16 / W; ++j) {
-      for (int64_t r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), q[j], acc[r]);
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) {
+      store_out(y + r * N + c, sum_all(acc[r][c]) + minterm[r * N + c]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) store_out(y + r * N, sum_all(acc[r]) * scale);
 }
 
-// Calls body(rows, row0) over x's rows in passes of kRows (the last pass shorter).
+template <typename T, int64_t R, int64_t C>
+inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* scale, T* y, int64_t N) {
+  Vec acc[R][C];
+  #pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) {
+      Vec q[16 / W];
+      load_int8_16(w + c * K + k0, q);
+      #pragma GCC unroll 8
+      for (int64_t j = 0; j < 16 / W; ++j) {
+        #pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), q[j], acc[r][c]);
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) store_out(y + r * N + c, sum_all(acc[r][c]) * scale[c]);
+}
+
+// Calls tile.operator()<R, C>(m0, n0) over x's rows in passes of kRows for weight rows n0 .. n0 + C.
+template <int64_t C, typename F>
+inline void tile_rows(F& tile, int64_t M, int64_t n0) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    switch (std::min(kRows, M - m0)) {
+      case 4: tile.template operator()<4, C>(m0, n0); break;
+      case 3: tile.template operator()<3, C>(m0, n0); break;
+      case 2: tile.template operator()<2, C>(m0, n0); break;
+      default: tile.template operator()<1, C>(m0, n0);
+    }
+  }
+}
+
+// Every tile of weight rows [begin, end): 8 rows at a time for one x row, else 4, then single rows.
 template <typename F>
-inline void for_row_blocks(int64_t M, F&& body) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) body(std::min(kRows, M - m0), m0);
+inline void for_tiles(int64_t M, int64_t begin, int64_t end, F&& tile) {
+  int64_t n = begin;
+  if (M == 1) {
+    for (; n + 8 <= end; n += 8) tile.template operator()<1, 8>(0, n);
+  }
+  for (; n + 4 <= end; n += 4) tile_rows<4>(tile, M, n);
+  for (; n < end; ++n) tile_rows<1>(tile, M, n);
 }
 
 at::Tensor as_float_rows(const at::Tensor& x) {
@@ -119,33 +172,25 @@ void int4_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor
                int64_t group, at::Tensor& out) {
   const int64_t M = xf.size(0), K = xf.size(1), N = qweight.size(0), G = K / group;
   const float* x = xf.data_ptr<float>();
-  std::vector<float> xsum(M * G);
+  // The mins' share, sum_g min[n, g] * xsum[m, g], for all (m, n) at once: one small GEMM [M, G] x [G, N].
+  at::Tensor xsum = at::empty({M, G}, xf.options());
+  float* xs = xsum.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       Vec acc(0.f);
       for (int64_t k = g * group; k < (g + 1) * group; k += W) acc = acc + Vec::loadu(x + m * K + k);
-      xsum[m * G + g] = sum_all(acc);
+      xs[m * G + g] = sum_all(acc);
     }
   }
+  const at::Tensor minterm = at::mm(xsum, mins.t());
+  const float* mt = minterm.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
-  const float* mn = mins.data_ptr<float>();
   T* y = out.data_ptr<T>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for_row_blocks(M, [&](int64_t rows, int64_t m0) {
-        const float* xr = x + m0 * K;
-        const float* xs = xsum.data() + m0 * G;
-        const uint8_t* wr = w + n * K / 2;
-        T* yr = y + m0 * N + n;
-        switch (rows) {
-          case 4: int4_row<T, 4>(xr, xs, K, G, group, wr, s + n * G, mn + n * G, yr, N); break;
-          case 3: int4_row<T, 3>(xr, xs, K, G, group, wr, s + n * G, mn + n * G, yr, N); break;
-          case 2: int4_row<T, 2>(xr, xs, K, G, group, wr, s + n * G, mn + n * G, yr, N); break;
-          default: int4_row<T, 1>(xr, xs, K, G, group, wr, s + n * G, mn + n * G, yr, N);
-        }
-      });
-    }
+    for_tiles(M, begin, end, [&]<int64_t R, int64_t C>(int64_t m0, int64_t n0) {
+      int4_tile<T, R, C>(x + m0 * K, mt + m0 * N + n0, K, G, group, w + n0 * K / 2, s + n0 * G, y + m0 * N + n0, N);
+    });
   });
 }
 
@@ -157,18 +202,9 @@ void int8_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor
   const float* s = scales.data_ptr<float>();
   T* y = out.data_ptr<T>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for_row_blocks(M, [&](int64_t rows, int64_t m0) {
-        const float* xr = x + m0 * K;
-        T* yr = y + m0 * N + n;
-        switch (rows) {
-          case 4: int8_row<T, 4>(xr, K, w + n * K, s[n], yr, N); break;
-          case 3: int8_row<T, 3>(xr, K, w + n * K, s[n], yr, N); break;
-          case 2: int8_row<T, 2>(xr, K, w + n * K, s[n], yr, N); break;
-          default: int8_row<T, 1>(xr, K, w + n * K, s[n], yr, N);
-        }
-      });
-    }
+    for_tiles(M, begin, end, [&]<int64_t R, int64_t C>(int64_t m0, int64_t n0) {
+      int8_tile<T, R, C>(x + m0 * K, K, w + n0 * K, s + n0, y + m0 * N + n0, N);
+    });
   });
 }
 
@@ -216,9 +252,16 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 
 // ---- dequantization, for batches large enough that a GEMM on the float weight wins -----------
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) store_out(dst + i, src[i]);
+// V vectors (V * W values) to dst in T (bf16: round to nearest even, as torch does).
+template <typename T, int64_t V>
+inline void store_vecs(const Vec* v, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < V; ++j) v[j].store(dst + j * W);
+  } else if constexpr (V % 2 == 0) {
+    for (int64_t j = 0; j < V; j += 2) at::vec::convert_from_float<BFloat16>(v[j], v[j + 1]).store(dst + j * W);
+  } else {
+    for (int64_t j = 0; j < V; ++j) at::vec::convert_from_float<BFloat16>(v[j], v[j]).store(dst + j * W, W);
+  }
 }
 
 template <typename T>
@@ -230,14 +273,14 @@ void int4_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, c
   const float* mn = mins.data_ptr<float>();
   T* y = out.data_ptr<T>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    alignas(64) float block[kBlock];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t g = n * G + k0 / group;
         Vec q[kBlock / W];
         load_int4_block(w + n * K / 2 + k0 / 2, q);
-        for (int64_t j = 0; j < kBlock / W; ++j) (q[j] * Vec(s[g]) + Vec(mn[g])).store(block + j * W);  // as dequantize()
-        store_row(block, y + n * K + k0, kBlock);
+        #pragma GCC unroll 8
+        for (int64_t j = 0; j < kBlock / W; ++j) q[j] = q[j] * Vec(s[g]) + Vec(mn[g]);  // as dequantize()
+        store_vecs<T, kBlock / W>(q, y + n * K + k0);
       }
     }
   });
@@ -250,13 +293,13 @@ void int8_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, a
   const float* s = scales.data_ptr<float>();
   T* y = out.data_ptr<T>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    alignas(64) float block[16];
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k0 = 0; k0 < K; k0 += 16) {
         Vec q[16 / W];
         load_int8_16(w + n * K + k0, q);
-        for (int64_t j = 0; j < 16 / W; ++j) (q[j] * Vec(s[n])).store(block + j * W);
-        store_row(block, y + n * K + k0, 16);
+        #pragma GCC unroll 8
+        for (int64_t j = 0; j < 16 / W; ++j) q[j] = q[j] * Vec(s[n]);
+        store_vecs<T, 16 / W>(q, y + n * K + k0);
       }
     }
   });

@@ -38,7 +38,7 @@ def _weight(bits: int, n: int, k: int, group_size: int, seed: int) -> QuantizedW
 @pytest.mark.parametrize("m", [1, 5, DEQUANTIZE_FROM_ROWS - 1, 32])  # row kernel (4-row passes + rest), dequantize + GEMM
 def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dtype, bits: int,
                                                     group_size: int | None, m: int) -> None:
-    n, k = 96, 256
+    n, k = (99 if kernel == "native" else 96), 256  # native: tiles of 8 and 4 weight rows, single-row tails
     weight = _weight(bits, n, k, group_size or k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
     packed = pack_for_cpu(weight, dtype, kernel)
@@ -83,6 +83,8 @@ def test_unsupported_groups_and_dtypes_are_refused() -> None:
         pack_for_cpu(_weight(4, 8, 64, 32, seed=0), torch.float16, "native")
     with pytest.raises(ValueError, match="unknown CPU kernel 'gpu'"):
         pack_for_cpu(_weight(4, 8, 64, 32, seed=0), torch.float32, "gpu")
+    with pytest.raises(ValueError, match="out_features in multiples of 16, not 8"):
+        pack_for_cpu(_weight(4, 8, 64, 32, seed=0), torch.float32, "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
