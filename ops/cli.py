@@ -7,6 +7,7 @@ they never print made-up output.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -16,12 +17,31 @@ from ops.batch_cli import batch
 from ops.billing_cli import prices, usage
 from ops.eval_cli import eval_ppl
 
+if TYPE_CHECKING:
+    from workers.settings import WorkerSettings
+
 stderr = Console(stderr=True)
+QUANTIZATION_HELP = ("Weight-only quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's "
+                     "own Q4 blocks where the model came from one) [default: TOLLWAY_QUANTIZATION or none].")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """tollway: a self-hosted multi-tenant LLM serving platform."""
+
+
+def worker_settings() -> WorkerSettings:
+    """The engine side's settings from the environment; a bad TOLLWAY_* value is a usage error
+    (exit 2, the variable named) rather than a traceback."""
+    from pydantic import ValidationError
+
+    from workers.settings import WorkerSettings
+
+    try:
+        return WorkerSettings()
+    except ValidationError as exc:
+        problems = "; ".join(f"TOLLWAY_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        raise click.UsageError(problems) from exc
 
 
 @cli.command()
@@ -31,11 +51,14 @@ def cli() -> None:
               help="Engine workers (each gets an equal share of the CPU cores).")
 @click.option("--worker-port", type=click.IntRange(1, 65535), default=8100, show_default=True,
               help="Port of the first engine worker; the others follow.")
-def up(port: int, num_workers: int, worker_port: int) -> None:
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None,
+              help="The engine workers' weight quantization (passed as TOLLWAY_QUANTIZATION) "
+                   "[default: TOLLWAY_QUANTIZATION or none].")
+def up(port: int, num_workers: int, worker_port: int, quantization: str | None) -> None:
     """Start the gateway and the engine workers on embedded defaults, and keep them running."""
     from ops.supervisor import run_up
 
-    sys.exit(run_up(port, num_workers, worker_port, stderr))
+    sys.exit(run_up(port, num_workers, worker_port, stderr, quantization=quantization))
 
 
 @cli.command()
@@ -64,16 +87,18 @@ def gateway(host: str | None, port: int | None) -> None:
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
               help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
 @click.argument("prompt")
 def generate(
     model: str | None, chat: bool, max_tokens: int, temperature: float, seed: int | None,
-    dtype: str | None, prompt: str,
+    dtype: str | None, quantization: str | None, prompt: str,
 ) -> None:
     """Generate a completion offline (no server) and print it."""
     from ops.offline import run_generate
-    from workers.settings import WorkerSettings
 
-    settings = WorkerSettings()
+    settings = worker_settings()
+    if quantization is not None:
+        settings = settings.model_copy(update={"quantization": quantization})
     text = run_generate(
         settings,
         model=model or settings.model,
@@ -94,12 +119,14 @@ def generate(
 @click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
               help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
-def worker(model: str | None, host: str, port: int, dtype: str | None) -> None:
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
+def worker(model: str | None, host: str, port: int, dtype: str | None, quantization: str | None) -> None:
     """Run one engine worker: the internal generate/info API the gateway routes to."""
     from ops.worker import run_worker
-    from workers.settings import WorkerSettings
 
-    settings = WorkerSettings()
+    settings = worker_settings()
+    if quantization is not None:
+        settings = settings.model_copy(update={"quantization": quantization})
     run_worker(settings, model=model or settings.model, dtype=dtype or settings.dtype, host=host, port=port,
                console=stderr)
 

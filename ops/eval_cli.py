@@ -7,7 +7,6 @@ scored in sliding windows (ops/perplexity.py: `--window` tokens, default the mod
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -21,13 +20,6 @@ if TYPE_CHECKING:  # the engine (torch) loads when the command runs, not with th
     from ops.perplexity import Perplexity
 
 QUANTIZATIONS = ("none", "int8", "int4")
-
-
-def quantization_available() -> bool:
-    """Whether this build's loader quantizes weights (`load_model(..., quantization=...)`)."""
-    from workers.models.loader import load_model
-
-    return "quantization" in inspect.signature(load_model).parameters
 
 
 @click.command("eval-ppl")
@@ -49,21 +41,20 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
     from ops.perplexity import perplexity, plan_windows
     from workers.engine.engine import Engine
     from workers.models.tokenizer import tokenizer_payload
-    from workers.settings import WorkerSettings
+    from ops.cli import worker_settings
     from workers.wire.tokenizer import TextTokenizer
 
-    settings = WorkerSettings()
-    wanted = quantization or str(getattr(settings, "quantization", "none"))
-    if wanted != "none" and not quantization_available():
-        raise click.UsageError(f"--quantization {wanted} is not available in this build "
-                               "(its loader has no weight quantization); use --quantization none")
+    settings = worker_settings()
+    if quantization is not None:
+        settings = settings.model_copy(update={"quantization": quantization})
+    wanted = settings.quantization
     stderr = Console(stderr=True)
     model = model or settings.model
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(f"cannot read {file} as UTF-8 text: {exc}") from exc
-    loaded = load_named_model(settings, model, dtype or settings.dtype, stderr, wanted)
+    loaded = load_named_model(settings, model, dtype or settings.dtype, stderr)
     tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
     token_ids = tokenizer.encode(text)
     engine = Engine(loaded, engine_config(settings), name=model)

@@ -14,6 +14,7 @@ from workers.engine.drafter import make_drafter
 from workers.engine.engine import Engine
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
+from workers.models.quantize import QuantizationError
 from workers.models.tokenizer import tokenizer_payload
 from workers.precision import resolve_device, resolve_dtype
 from workers.settings import WorkerSettings
@@ -25,17 +26,17 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
-def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console,
-                     quantization: str = "none") -> LoadedModel:
-    """Resolve (converting once if needed) and load a model onto the settings' device, with progress
-    on the console. `quantization` other than none goes to a loader that takes it (callers check)."""
+def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
+    """Resolve (converting once if needed) and load a model onto the settings' device, quantized as
+    the settings say, with progress on the console."""
     set_threads(settings.num_threads)
     try:
         device = resolve_device(settings.device)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
-        with console.status(f"Loading {model}…"):
+        quantized = "" if settings.quantization == "none" else f" ({settings.quantization})"
+        with console.status(f"Loading {model}{quantized}…"):
             folder = resolve_model_folder(
                 model,
                 settings.home,
@@ -43,9 +44,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
                     f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
                 ),
             )
-            quantized: dict[str, Any] = {"quantization": quantization} if quantization != "none" else {}
-            return load_model(folder, resolve_dtype(dtype, device), device, **quantized)
-    except (ModelNotFoundError, ModelFolderError) as exc:
+            return load_model(folder, resolve_dtype(dtype, device), device, settings.quantization)
+    except (ModelNotFoundError, ModelFolderError, QuantizationError) as exc:
         raise click.ClickException(str(exc)) from exc
 
 

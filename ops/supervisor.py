@@ -79,17 +79,21 @@ def _tollway(*args: str) -> list[str]:
     return [sys.executable, "-m", "ops.cli", *args]
 
 
-def plan_children(home: Path, port: int, num_workers: int, worker_port: int, worker_secret: str) -> list[Child]:
-    """The children of `tollway up`; the gateway and the workers share `worker_secret`."""
+def plan_children(home: Path, port: int, num_workers: int, worker_port: int, worker_secret: str,
+                  quantization: str | None = None) -> list[Child]:
+    """The children of `tollway up`; the gateway and the workers share `worker_secret`. Workers inherit
+    the environment (every TOLLWAY_* setting, TOLLWAY_QUANTIZATION among them); `quantization` (from
+    `tollway up --quantization`) overrides it."""
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // num_workers)
     env = {**os.environ, "TOLLWAY_HOME": str(home)}
     secret = {"TOLLWAY_WORKER_SECRET": worker_secret}
+    quantized = {"TOLLWAY_QUANTIZATION": quantization} if quantization is not None else {}
     urls = ",".join(f"http://127.0.0.1:{worker_port + i}" for i in range(num_workers))
     children = [
         Child(f"worker-{i}", _tollway("worker", "--port", str(worker_port + i)),
-              {**env, **secret, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
+              {**env, **secret, **quantized, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
               logs / f"worker-{i}.log")
         for i in range(num_workers)
     ]
@@ -200,7 +204,7 @@ class Supervisor:
         return 0
 
 
-def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> int:
+def run_up(port: int, num_workers: int, worker_port: int, console: Console, quantization: str | None = None) -> int:
     """Prepare the state folder (database schema, admin key), then supervise until stopped."""
     from accounting.db import upgrade_database
     from accounting.settings import AccountingSettings
@@ -216,5 +220,5 @@ def run_up(port: int, num_workers: int, worker_port: int, console: Console) -> i
     ready = (f"[green]tollway is up[/]: http://127.0.0.1:{port}/v1 (OpenAI-compatible), "
              f"{num_workers} engine worker(s), a batch worker; admin key {where}; logs in {home / 'logs'}. "
              f"Ctrl-C stops.")
-    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port, worker_secret), console)
+    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port, worker_secret, quantization), console)
     return supervisor.run(f"http://127.0.0.1:{port}/readyz", ready, home / "logs")

@@ -24,7 +24,8 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
     engine = AsyncEngine(core)
     info = engine.info()
-    console.print(f"worker: {model} ({info['dtype']} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
+    quantized = "" if loaded.quantization == "none" else f", {loaded.quantization} weights"
+    console.print(f"worker: {model} ({info['dtype']}{quantized} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
         # Billed requests' usage not yet acknowledged by a gateway survives a restart of this worker.

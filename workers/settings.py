@@ -22,6 +22,10 @@ class WorkerSettings(TracingSettings):
     """Built-in model name or path to a local Hugging Face folder."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AVX512-BF16 / AMX-BF16, else fp32."""
+    quantization: Literal["none", "int8", "int4"] = "none"
+    """Weight-only quantization of the decoder's linear layers (embeddings and LM head stay in `dtype`):
+    int8 one scale per output channel, int4 groups of 32 with scale and min; from a GGUF's own Q4_0/Q4_1
+    (int4) or Q8_0 (int8) blocks where the model came from one (workers/models/quantize.py)."""
     device: str = "auto"
     """Where the model runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda[:N]."""
     num_threads: int = 0

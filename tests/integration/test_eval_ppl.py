@@ -13,7 +13,6 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-from ops import eval_cli
 from ops.cli import cli
 from ops.perplexity import plan_windows
 from tests.unit.ops.test_eval_ppl import reference_nll
@@ -59,9 +58,6 @@ def test_perplexity_equals_transformers_on_the_same_windows(smollm2_folder: Path
 @pytest.mark.parametrize(("quantization", "bound"), [("int8", 1.02), ("int4", 1.10)])
 def test_quantized_perplexity_stays_near_the_unquantized(model_home: Path, monkeypatch: pytest.MonkeyPatch,
                                                         quantization: str, bound: float) -> None:
-    if not eval_cli.quantization_available():
-        pytest.skip("weight quantization is not in this build (load_model has no `quantization` argument; "
-                    "issue 22 item 1): remove this skip when it is merged")
     base = eval_ppl(model_home, monkeypatch, "--quantization", "none")  # one window: the context holds the text
     quantized = eval_ppl(model_home, monkeypatch, "--quantization", quantization)
     assert quantized["tokens"] == base["tokens"] and quantized["quantization"] == quantization

@@ -280,6 +280,7 @@ class Engine:
         return {
             "model": self.name,
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
+            "quantization": self.loaded.quantization,
             "context_length": self.max_context,
             "block_size": stats.block_size,
             "blocks": {"total": stats.num_blocks, "free": stats.num_free, "used": stats.num_used,

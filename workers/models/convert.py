@@ -1,7 +1,8 @@
 """One-time conversion of a GGUF checkpoint into a plain Hugging Face folder.
 
 transformers reads the GGUF (dequantizing it, ~16 s for the default model); we then write
-safetensors weights, config.json, generation_config.json and the tokenizer files. The folder is
+safetensors weights, config.json, generation_config.json, the tokenizer files and a record of the
+source GGUF (`SOURCE_RECORD`, read by quantized loads). The folder is
 assembled under a temporary name beside `dest` and renamed into place, so a crash mid-way leaves
 no half-written model behind (only a temp folder that the next conversion sweeps away).
 """
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 TEMP_PREFIX = ".converting-"
+SOURCE_RECORD = "tollway-source.json"
+"""{"gguf": absolute path}: the file a folder was converted from, so an int4/int8 load can read its
+quantized blocks as stored (workers/models/gguf_blocks.py) instead of quantizing the floats afresh."""
 
 
 def convert_gguf(gguf_path: Path, dest: Path) -> Path:
@@ -26,6 +30,7 @@ def convert_gguf(gguf_path: Path, dest: Path) -> Path:
     tmp.chmod(0o755)
     try:
         write_converted_folder(gguf_path, tmp)
+        write_source_record(tmp, gguf_path)
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -79,3 +84,10 @@ def _sweep_stale_temp_folders(parent: Path, max_age_s: float = 3600.0) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue
+
+
+def write_source_record(folder: Path, gguf_path: Path) -> None:
+    record = folder / SOURCE_RECORD
+    record.write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
+    with open(record, "rb") as f:
+        os.fsync(f.fileno())

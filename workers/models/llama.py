@@ -21,6 +21,20 @@ from workers.models import fused_decode
 from workers.models.config import ModelConfig
 from workers.models.rope import RotaryTable, apply_rotary
 
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
+"""Each decoder layer's four projections and the Hugging Face weights they stack, in row order."""
+
+
+def fused_weight(weights: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
+    """The [out, in] weight of one fused projection from Hugging Face-named `weights` (left as they are)."""
+    parts = [weights[f"model.layers.{layer}.{part}.weight"] for part in FUSED_PROJECTIONS[projection]]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -190,16 +204,12 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, DecoderLayer)  # a ModuleList yields plain Modules to the type checker
                 p = f"model.layers.{i}."
-                attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-                layer.qkv_proj.weight.copy_(torch.cat(attn))
+                for name, parts in FUSED_PROJECTIONS.items():
+                    if self.config.num_experts and name in ("gate_up_proj", "down_proj"):
+                        continue  # MoE classes load their experts before calling this
+                    getattr(layer, name).weight.copy_(torch.cat([take(f"{p}{part}.weight") for part in parts]))
                 if self.config.qkv_bias:
                     layer.qkv_proj.bias.copy_(torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
-                layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
-                if not self.config.num_experts:  # MoE classes load their experts before calling this
-                    layer.gate_up_proj.weight.copy_(
-                        torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
-                    )
-                    layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
                 layer.input_norm.weight.copy_(take(f"{p}input_layernorm.weight"))
                 layer.post_attention_norm.weight.copy_(take(f"{p}post_attention_layernorm.weight"))
         unexpected = [n for n in remaining if not n.endswith("rotary_emb.inv_freq")]

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from workers.models.assets import ModelFolderError, check_model_folder
+from workers.models.assets import ModelFolderError, check_model_folder, source_gguf
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import model_class
+from workers.models.quantize import check_quantization, quantize_model
 from workers.models.tokenizer import TokenCodec
 
 
@@ -22,6 +23,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: TokenCodec
     eos_token_ids: tuple[int, ...]
+    quantization: str = "none"
+    """none, int8 or int4: how the decoder projections are stored (workers/models/quantize.py)."""
 
 
 def read_model_config(folder: Path) -> ModelConfig:
@@ -41,14 +44,20 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") ->
     return model.eval()
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
-    files = sorted(folder.glob("*.safetensors"))
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files, by Hugging Face name, as stored."""
     weights: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(str(path)))
+    return weights
+
+
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
+                 weights: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
+    """The model of `config` filled from `weights` (read from `folder` when not given)."""
     model = build_model(config, dtype, device)
     try:
-        model.load_hf_state_dict(weights)
+        model.load_hf_state_dict(read_weights(folder) if weights is None else weights)
     except (ValueError, RuntimeError) as exc:
         raise ModelFolderError(f"{folder}: weights do not match config.json: {exc}") from exc
     return model
@@ -63,13 +72,21 @@ def eos_token_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
-    """Load weights (onto `device`), tokenizer and stop ids from a checked model folder."""
+def load_model(folder: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none") -> LoadedModel:
+    """Load weights (onto `device`), tokenizer and stop ids from a checked model folder; with
+    `quantization` int8 or int4 the decoder projections are stored so (QuantizationError, a
+    ValueError, for an unknown name or a model whose shapes do not allow it)."""
+    bits = check_quantization(quantization)
     check_model_folder(folder)
     config = read_model_config(folder)
+    weights = read_weights(folder)
+    model = load_weights(folder, config, dtype, device, weights)
+    if bits:
+        quantize_model(model, weights, quantization, source_gguf(folder))
     return LoadedModel(
         folder=folder,
-        model=load_weights(folder, config, dtype, device),
+        model=model,
         tokenizer=TokenCodec.from_folder(folder),
         eos_token_ids=eos_token_ids(folder, config),
+        quantization=quantization,
     )

@@ -55,7 +55,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: LlamaForCausalLM, batch_hint: int = 32) -> bool:
     """Replace every decoder layer's projections and the LM head by packed ones (once: a packed
-    model is left as it is). False when the CPU offers no packing for the model's dtype."""
+    model is left as it is; so are quantized projections, `QuantizedLinear`s, which bring their own
+    packing). False when the CPU offers no packing for the model's dtype."""
     weight = model.lm_head.weight
     kind = packing_kind(weight.dtype)
     if kind is None or weight.device.type != "cpu":

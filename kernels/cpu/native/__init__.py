@@ -1,5 +1,5 @@
-"""The native CPU backend: C++ ops (`tollway_cpu.cpp`, built by `build.py`) that read the paged
-K/V cache in place, plus the fused small ops of the decode step.
+"""The native CPU backend: C++ ops (`tollway_cpu.cpp`, `quantized_matmul.cpp`, built by `build.py`) that
+read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 
 `load()` builds (once per machine) and loads the library, and says whether the ops exist; when the
 compiler is missing or the build fails it logs why, once, and returns False, and every caller
@@ -10,7 +10,10 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `add_rms_norm(residual [N, H] fp32 (updated in place), x [N, H] | None, weight, eps) -> normed`;
 - `rotary_store(qkv [N, (Hq + 2 Hkv) D] (q and k rotated in place), cos [N, D], sin, k_cache, v_cache,
   slots [N] int64, Hq, Hkv)`: also writes k and v at their slots;
-- `silu_mul(gate_up [N, 2I]) -> [N, I]`.
+- `silu_mul(gate_up [N, 2I]) -> [N, I]`;
+- `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
+  `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
+  (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
 extends (prefill chunks) run on the torch CPU path.

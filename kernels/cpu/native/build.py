@@ -1,7 +1,8 @@
-"""Compiling `tollway_cpu.cpp` once per machine and loading it into the process.
+"""Compiling the native sources (`SOURCES`: `tollway_cpu.cpp`, `quantized_matmul.cpp`) once per machine into
+one library and loading it into the process.
 
 The shared library is cached under `$TOLLWAY_KERNEL_CACHE` (default `~/.cache/tollway/kernels`) in a
-folder named by a hash of the source, the compiler flags and the torch version, so a new source, a
+folder named by a hash of the sources, the compiler flags and the torch version, so a new source, a
 different torch or a CPU with other vector units builds its own copy and never loads a stale one.
 The vector flags come from what torch detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`: AVX512 or AVX2); never `-march=native`, so the cache
@@ -27,7 +28,8 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("tollway_cpu.cpp")
+SOURCES = (Path(__file__).with_name("tollway_cpu.cpp"), Path(__file__).with_name("quantized_matmul.cpp"))
+"""Compiled together into one library: the decode step's ops and the weight-only quantized matmuls."""
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
@@ -66,13 +68,14 @@ def command(output: Path) -> list[str]:
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     libraries = [f"-L{cpp_extension.TORCH_LIB_PATH}" if hasattr(cpp_extension, "TORCH_LIB_PATH")
                  else f"-L{Path(torch.__file__).parent / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch"]
-    return [compiler(), *BASE_FLAGS, *vector_flags(), *includes, str(SOURCE), "-o", str(output),
+    return [compiler(), *BASE_FLAGS, *vector_flags(), *includes, *map(str, SOURCES), "-o", str(output),
             *libraries]
 
 
 def library_path() -> Path:
     """Where this machine's build of the current source lives (it may not exist yet)."""
-    key_parts = [SOURCE.read_bytes(), " ".join([*BASE_FLAGS, *vector_flags()]).encode(), torch.__version__.encode()]
+    key_parts = [*(source.read_bytes() for source in SOURCES), " ".join([*BASE_FLAGS, *vector_flags()]).encode(),
+                 torch.__version__.encode()]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     return cache_root() / f"tollway_cpu-{key}" / "tollway_cpu.so"
 
@@ -99,7 +102,7 @@ def build(progress: bool = True) -> Path:
             raise BuildError(f"the compiler did not run: {exc}") from exc
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
-            raise BuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+            raise BuildError(f"compiling {', '.join(s.name for s in SOURCES)} failed:\n{result.stderr[-4000:]}")
         partial.rename(target)
         if progress:
             print(f"tollway: native CPU kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr,

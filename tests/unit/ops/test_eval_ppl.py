@@ -12,7 +12,6 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-from ops import eval_cli
 from ops.cli import cli
 from ops.perplexity import Window, plan_windows
 from workers.models.tiny import write_tiny_model_folder
@@ -117,11 +116,18 @@ def test_a_text_of_one_token_is_a_usage_error(tiny_text, tmp_path: Path, monkeyp
     assert result.exit_code == 2 and "at least 2 tokens" in result.output
 
 
-def test_quantization_is_refused_where_the_loader_lacks_it(tiny_text, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantization_is_passed_to_the_loader_and_reported(tiny_text, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     folder, text, _ = tiny_text
-    monkeypatch.setattr(eval_cli, "quantization_available", lambda: False)
-    result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), "--quantization", "int4", str(text)])
-    assert result.exit_code == 2 and "--quantization int4 is not available in this build" in result.output
+    use_home(monkeypatch, tmp_path)
+    args = ["eval-ppl", "--model", str(folder), "--dtype", "float32", "--json", str(text)]
+    plain = json.loads(CliRunner().invoke(cli, [*args, "--quantization", "none"]).stdout)
+    result = CliRunner().invoke(cli, [*args, "--quantization", "int8"])
+    assert result.exit_code == 0, result.output
+    int8 = json.loads(result.stdout)
+    assert int8["quantization"] == "int8" and int8["tokens"] == plain["tokens"]
+    assert int8["perplexity"] != plain["perplexity"]  # the weights really changed
+    assert abs(int8["perplexity"] / plain["perplexity"] - 1) < 0.05
     result = CliRunner().invoke(cli, ["eval-ppl", "--model", str(folder), "--quantization", "int3", str(text)])
     assert result.exit_code == 2 and "int3" in result.output  # not a choice
 

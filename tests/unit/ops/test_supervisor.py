@@ -97,3 +97,11 @@ def test_the_gateway_and_the_workers_get_the_same_worker_secret(tmp_path: Path) 
         assert children[name].env["TOLLWAY_WORKER_SECRET"] == "tw-worker-s3cret"
     assert children["gateway"].env["TOLLWAY_WORKER_URLS"] == "http://127.0.0.1:8100,http://127.0.0.1:8101"
     assert "--host" not in children["worker-0"].argv  # workers bind their default, 127.0.0.1
+
+
+def test_up_passes_its_quantization_to_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOLLWAY_QUANTIZATION", "int8")
+    inherited = {c.name: c for c in plan_children(tmp_path, 8000, 1, 8100, "s")}
+    assert inherited["worker-0"].env["TOLLWAY_QUANTIZATION"] == "int8"  # the environment reaches workers
+    chosen = {c.name: c for c in plan_children(tmp_path, 8000, 1, 8100, "s", quantization="int4")}
+    assert chosen["worker-0"].env["TOLLWAY_QUANTIZATION"] == "int4"  # `up --quantization` overrides it

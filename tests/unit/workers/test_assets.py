@@ -96,3 +96,36 @@ def test_missing_model_package_names_the_install_command(tmp_path: Path, monkeyp
     monkeypatch.setitem(assets.BUILTIN_MODELS, "needs-pkg", source)
     with pytest.raises(ModelNotFoundError, match="pip install x"):
         resolve_model_folder("needs-pkg", tmp_path)
+
+
+def test_a_converted_folder_records_its_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = fake_gguf(tmp_path, monkeypatch)
+    monkeypatch.setattr(convert, "write_converted_folder", lambda gguf_path, out: write_tiny_model_folder(out))
+    folder = resolve_model_folder("fake-model", tmp_path / "home")
+    assert assets.source_gguf(folder) == gguf.resolve()
+    assert assets.source_gguf(write_tiny_model_folder(tmp_path / "plain")) is None
+
+
+def test_a_gguf_path_converts_once_into_a_folder_named_by_its_stem(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+
+    def write(gguf_path: Path, out: Path) -> None:
+        calls.append(gguf_path)
+        write_tiny_model_folder(out)
+
+    monkeypatch.setattr(convert, "write_converted_folder", write)
+    mine = tmp_path / "files" / "my-model.Q4_0.gguf"
+    mine.parent.mkdir()
+    mine.write_bytes(b"GGUF")
+    first = resolve_model_folder(str(mine), tmp_path / "home")
+    assert first == tmp_path / "home" / "models" / "my-model.Q4_0"
+    assert resolve_model_folder(str(mine), tmp_path / "home") == first and len(calls) == 1
+    assert assets.source_gguf(first) == mine.resolve()
+    other = tmp_path / "elsewhere" / "my-model.Q4_0.gguf"  # same name, another file
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF")
+    with pytest.raises(ModelFolderError, match="holds a model not converted from"):
+        resolve_model_folder(str(other), tmp_path / "home")
+    mine.unlink()  # a record of a file that is gone names nothing
+    assert assets.source_gguf(first) is None

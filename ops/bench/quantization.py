@@ -1,0 +1,232 @@
+"""Weight-only quantization on the CPU (issue 22): the linear ops alone, single-stream decode through
+the engine offline, and memory, per format (none / int8 / int4), in one run.
+
+1. Linear microbench: this model's projection shapes (qkv 576->960, o 576->576, gate_up 576->3072,
+   down 1536->576) at M = 1, 8, 32 rows: `F.linear` on the plain weight, the prepacked
+   `PackedLinear` the engine's native path uses (oneDNN bf16 / MKL fp32), and `QuantizedLinear`
+   int8 and int4 on each CPU kernel (`torch`: `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`;
+   `native`: kernels/cpu/native/quantized_matmul.cpp); median us a call,
+   and the sum over the 30 layers' four projections (what one decode step spends in them); in the
+   model dtype and fp32. Then the native kernel's two ways (row kernel, dequantize + GEMM) at M = 4..64.
+2. Per format, in a fresh process each (so RSS is that format's alone): load, then one request of
+   `--tokens` greedy tokens (eos ignored) through `Engine` on its default backend, `--repeats`
+   times after a warm-up; decode tok/s = (tokens - 1) / (last token - first token), the best run.
+   Memory: the model's weight bytes (parameters, buffers and quantized packings, shared tensors once;
+   the engine's prepacked copies included) and the process RSS after load and at the end.
+
+    PYTHONPATH=. .venv/bin/python ops/bench/quantization.py [--dtype auto --tokens 128 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import native
+from kernels.quantized import cpu as qcpu
+from kernels.quantized.layout import quantize_int4, quantize_int8
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.assets import resolve_model_folder
+from workers.models.loader import load_model
+from workers.models.packed_linear import PackedLinear, packing_kind
+from workers.models.quantize import INT4_GROUP_SIZE, QUANTIZATIONS
+from workers.models.quantized_linear import QuantizedLinear
+from workers.precision import resolve_dtype
+from workers.wire.sampling import SamplingParams
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
+ROWS = (1, 8, 32)
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def cpu_flags() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+            return " ".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+    return "?"
+
+
+def median_us(fn, x: torch.Tensor, round_s: float = 0.02, rounds: int = 7) -> float:
+    """Median time of a call over `rounds` rounds of about `round_s` each (after a warm-up)."""
+    start = time.perf_counter()
+    for _ in range(3):
+        fn(x)
+    calls = max(1, min(500, int(round_s / max((time.perf_counter() - start) / 3, 1e-7))))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def microbench(dtype: torch.dtype, layers: int) -> None:
+    name = str(dtype).removeprefix("torch.")
+    kind = packing_kind(dtype)
+    have_native = native.load()
+    kernels = ["torch", *(["native"] if have_native else [])]
+    variants = ["linear", *(["packed"] if kind else []), *(f"i{b}-{kern}" for b in (8, 4) for kern in kernels)]
+    print(f"\nlinear ops, {name}, us per call (median); 'all' = {layers} layers x the four projections")
+    print(f"{'shape':>16} {'M':>3} " + " ".join(f"{v:>8}" for v in variants))
+    totals = {(m, v): 0.0 for m in ROWS for v in variants}
+    gen = torch.Generator().manual_seed(0)
+    for label, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, generator=gen) * 0.02
+        plain = nn.Linear(k, n, bias=False)
+        plain.weight.data = w.to(dtype)
+        modules = {"linear": lambda x, weight=plain.weight: F.linear(x, weight)}
+        for kern in kernels:
+            modules[f"i8-{kern}"] = QuantizedLinear(quantize_int8(w), None, dtype, kernel=kern)
+            modules[f"i4-{kern}"] = QuantizedLinear(quantize_int4(w, INT4_GROUP_SIZE), None, dtype, kernel=kern)
+        if kind:
+            modules["packed"] = PackedLinear(plain, kind, batch_hint=32)
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            times = {v: median_us(modules[v], x) for v in variants}
+            for v in variants:
+                totals[(m, v)] += times[v] * layers
+            print(f"{label + f' {k}->{n}':>16} {m:>3} " + " ".join(f"{times[v]:8.1f}" for v in variants), flush=True)
+    for m in ROWS:
+        print(f"{'all':>16} {m:>3} " + " ".join(f"{totals[(m, v)]:8.0f}" for v in variants))
+
+
+@torch.inference_mode()
+def crossover(dtype: torch.dtype, layers: int) -> None:
+    """The native kernel's two ways at growing M: the row kernel vs dequantize + one GEMM, summed
+    over the four projections x `layers` (what `DEQUANTIZE_FROM_ROWS` chooses between)."""
+    print(f"\nnative kernel, {str(dtype).removeprefix('torch.')}: row kernel vs dequantize + GEMM, us for all "
+          f"{layers} layers' projections")
+    print(f"{'M':>4} {'i8 rows':>9} {'i8 deq':>9} {'i4 rows':>9} {'i4 deq':>9}")
+    gen = torch.Generator().manual_seed(1)
+    layers_of = {label: (QuantizedLinear(quantize_int8(w), None, dtype, kernel="native"),
+                         QuantizedLinear(quantize_int4(w, INT4_GROUP_SIZE), None, dtype, kernel="native"))
+                 for label, w in ((label, torch.randn(n, k, generator=gen) * 0.02) for label, (n, k) in SHAPES.items())}
+    saved = qcpu.DEQUANTIZE_FROM_ROWS
+    try:
+        for m in (4, 8, 16, 32, 64):
+            sums = [0.0, 0.0, 0.0, 0.0]
+            for label, (i8, i4) in layers_of.items():
+                x = torch.randn(m, SHAPES[label][1], generator=gen).to(dtype)
+                for j, (module, threshold) in enumerate(((i8, 10**9), (i8, 1), (i4, 10**9), (i4, 1))):
+                    qcpu.DEQUANTIZE_FROM_ROWS = threshold
+                    sums[j] += median_us(module, x) * layers
+            print(f"{m:>4} " + " ".join(f"{s:9.0f}" for s in sums), flush=True)
+    finally:
+        qcpu.DEQUANTIZE_FROM_ROWS = saved
+
+
+def rss_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MiB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def weight_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        try:
+            key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        except NotImplementedError:  # oneDNN's prepacked weights are opaque: count their elements
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.nbytes() - (module.bias.numel() * module.bias.element_size() if module.bias is not None else 0)
+    return total
+
+
+def child(folder: Path, dtype_name: str, quantization: str, tokens: int, repeats: int) -> dict[str, float | str]:
+    """One format in this process: load, decode, measure; returns the figures."""
+    start = time.perf_counter()
+    loaded = load_model(folder, resolve_dtype(dtype_name), "cpu", quantization)
+    load_s = time.perf_counter() - start
+    rss_loaded, _ = rss_mb()
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=256 * 2**20))
+    prompt = loaded.tokenizer.encode(PROMPT)
+
+    def one(max_tokens: int, request_id: str) -> float:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        stamps = []
+        while engine.has_work():
+            for delta in engine.step():
+                stamps.extend([time.perf_counter()] * len(delta.token_ids))
+        if len(stamps) != max_tokens:
+            raise RuntimeError(f"expected {max_tokens} tokens, got {len(stamps)}")
+        return (max_tokens - 1) / (stamps[-1] - stamps[0])
+
+    one(16, "warm-up")
+    rates = [one(tokens, f"r{i}") for i in range(repeats)]
+    rss_end, rss_peak = rss_mb()
+    return {"load_s": load_s, "weights_mb": weight_bytes(loaded.model) / 2**20, "rss_loaded_mb": rss_loaded,
+            "rss_end_mb": rss_end, "rss_peak_mb": rss_peak, "tok_s": max(rates), "tok_s_median": statistics.median(rates),
+            "backend": str(engine.runner.backend)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")))
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--formats", default=",".join(QUANTIZATIONS))
+    parser.add_argument("--skip-micro", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--child", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    folder = resolve_model_folder(args.model, args.home)
+    if args.child:
+        print(json.dumps(child(folder, args.dtype, args.child, args.tokens, args.repeats)))
+        return
+    dtype = resolve_dtype(args.dtype)
+    print(f"quantization bench: {args.model} in {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+          f"threads; CPU flags: {cpu_flags()}; torch {torch.__version__} capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    if not args.skip_micro:
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        for micro_dtype in dict.fromkeys([dtype, torch.float32]):  # fp32 too: what AVX2-only hosts run
+            microbench(micro_dtype, layers)
+            if native.load():
+                crossover(micro_dtype, layers)
+    if args.skip_decode:
+        return
+    print(f"\nsingle-stream decode, one request of {args.tokens} tokens (best of {args.repeats}), engine offline")
+    print(f"{'format':>6} {'backend':>7} {'load s':>6} {'weights MiB':>11} {'RSS loaded':>10} {'RSS end':>8} "
+          f"{'RSS peak':>8} {'tok/s':>7} {'median':>7} {'x none':>6}")
+    base = None
+    for fmt in args.formats.split(","):
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", fmt, "--model", args.model,
+                   "--home", str(args.home), "--dtype", args.dtype, "--tokens", str(args.tokens),
+                   "--repeats", str(args.repeats), "--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            print(f"{fmt:>6} failed:\n{done.stderr[-2000:]}")
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        base = base or (r["tok_s"] if fmt == "none" else None)
+        ratio = f"{r['tok_s'] / base:6.2f}" if base else "     -"
+        print(f"{fmt:>6} {r['backend']:>7} {r['load_s']:6.1f} {r['weights_mb']:11.1f} {r['rss_loaded_mb']:10.0f} "
+              f"{r['rss_end_mb']:8.0f} {r['rss_peak_mb']:8.0f} {r['tok_s']:7.1f} {r['tok_s_median']:7.1f} {ratio}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

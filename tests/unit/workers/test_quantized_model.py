@@ -1,0 +1,168 @@
+"""Quantized models (workers/models/quantize.py) on the tiny model: every decoder projection swapped
+for a QuantizedLinear that computes what the float model of the dequantized weights computes, on the
+eager and the fused native path alike; embeddings and LM head untouched; clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from pydantic import ValidationError
+from torch import nn
+
+from kernels.cpu import native
+from kernels.quantized.layout import dequantize, quantize_int4
+from tests.required import unavailable
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.gguf_blocks import PROJECTION_TENSORS
+from workers.models.llama import FUSED_PROJECTIONS, fused_weight
+from workers.models.loader import load_model, load_weights, read_model_config, read_weights
+from workers.models.packed_linear import PackedLinear, packing_kind
+from workers.models.quantize import QuantizationError, quantize_floats, quantize_model
+from workers.models.quantized_linear import QuantizedLinear
+from workers.models.tiny import write_tiny_model_folder
+from workers.paged_step import prefill_logits
+from workers.settings import WorkerSettings
+from workers.wire.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 33, 65, 3], [7, 7, 8, 100, 2, 14, 90, 4, 4, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "qwen2", seed=4)  # qkv bias too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_is_dequantize_then_linear_with_bias(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = quantize_int4(torch.randn(48, 64, generator=gen) * 0.1)
+    bias = torch.randn(48, generator=gen)
+    layer = QuantizedLinear(weight, bias, dtype)
+    x = torch.randn(2, 3, 64, generator=gen).to(dtype)  # leading dims are kept
+    out = layer(x)
+    assert out.shape == (2, 3, 48) and out.dtype == dtype
+    expected = F.linear(x.float(), dequantize(weight), bias.to(dtype).float())
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    assert layer.nbytes() < 48 * 64  # under a byte a weight, scales and zeros included
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_every_projection_is_quantized_and_computes_the_dequantized_model(folder: Path, quantization: str) -> None:
+    quantized = load_model(folder, torch.float32, quantization=quantization)
+    assert quantized.quantization == quantization
+    reference = load_model(folder, torch.float32)
+    weights = read_weights(folder)
+    model = quantized.model
+    for i, layer in enumerate(model.layers):
+        for name in FUSED_PROJECTIONS:
+            module = getattr(layer, name)
+            assert isinstance(module, QuantizedLinear) and module.bits == int(quantization[-1])
+            expected = quantize_floats(fused_weight(weights, i, name).float(), module.bits, name)
+            with torch.no_grad():
+                getattr(reference.model.layers[i], name).weight.copy_(dequantize(expected))
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    for prompt in PROMPTS:
+        torch.testing.assert_close(prefill_logits(model, [prompt]), prefill_logits(reference.model, [prompt]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_tokens_equal_on_native_and_cpu_with_projections_left_quantized(folder: Path,
+                                                                               dtype: torch.dtype) -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("cpu", "native"):
+        loaded = load_model(folder, dtype, quantization="int4")
+        engine = Engine(loaded, EngineConfig(num_blocks=200, attention=backend))
+        assert engine.runner.backend == backend
+        layer = loaded.model.layers[0]
+        assert all(isinstance(getattr(layer, name), QuantizedLinear) for name in FUSED_PROJECTIONS)
+        packed = backend == "native" and packing_kind(dtype) is not None  # the engine packs for native only
+        assert isinstance(loaded.model.lm_head, PackedLinear) == packed
+        outputs[backend] = [s.output_ids for s in engine.generate_batch(PROMPTS, params)]
+        engine.check_integrity()
+        assert engine.info()["quantization"] == "int4"
+    assert outputs["native"] == outputs["cpu"]
+
+
+def test_unknown_quantization_is_refused(folder: Path) -> None:
+    with pytest.raises(QuantizationError, match="unknown quantization 'int3'; choose one of none, int8, int4"):
+        load_model(folder, torch.float32, quantization="int3")
+    with pytest.raises(ValidationError, match="int8"):
+        WorkerSettings(quantization="int3")  # type: ignore[arg-type]
+    assert WorkerSettings().quantization == "none"
+
+
+def test_int4_needs_in_features_in_whole_groups(tmp_path: Path) -> None:
+    odd = write_tiny_model_folder(tmp_path / "m", "llama", hidden_size=48, head_dim=12)
+    with pytest.raises(QuantizationError, match="layer 0 qkv_proj: in_features 48 is not a multiple of the int4 "
+                                                "group size 32"):
+        load_model(odd, torch.float32, quantization="int4")
+    assert load_model(odd, torch.float32, quantization="int8").quantization == "int8"  # per channel: any size
+
+
+def _as_if_converted_from_q4_1(folder: Path, gguf_path: Path) -> dict[str, torch.Tensor]:
+    """Write the tiny model's projections into a llama GGUF as Q4_1 (q/k rows permuted as llama.cpp
+    does) and return its weights as the conversion would leave them: the blocks' values, unpermuted."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = read_model_config(folder)
+    weights = read_weights(folder)
+    heads = {"attn_q": config.num_q_heads, "attn_k": config.num_kv_heads}
+    reverse = LlamaTensorProcessor(config={"num_attention_heads": config.num_q_heads,
+                                           "num_key_value_heads": config.num_kv_heads})
+    writer = GGUFWriter(str(gguf_path), "llama")
+    for i in range(config.num_layers):
+        for projection, parts in PROJECTION_TENSORS.items():
+            for gguf_name, hf_name in zip(parts, FUSED_PROJECTIONS[projection], strict=True):
+                key = f"model.layers.{i}.{hf_name}.weight"
+                w = weights[key].numpy()
+                if gguf_name in heads:
+                    n = heads[gguf_name]
+                    w = w.reshape(n, 2, w.shape[0] // n // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+                blocks = gguf_quantize(w, GGMLQuantizationType.Q4_1)
+                writer.add_tensor(f"blk.{i}.{gguf_name}.weight", blocks, raw_dtype=GGMLQuantizationType.Q4_1)
+                values = gguf_dequantize(blocks, GGMLQuantizationType.Q4_1)
+                if gguf_name in heads:
+                    values = reverse._reverse_permute_weights(values, config.num_q_heads, heads[gguf_name])
+                weights[key] = torch.from_numpy(np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def test_int4_takes_a_gguf_s_blocks_where_they_are_the_folder_s_weights(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = write_tiny_model_folder(tmp_path / "m", "llama", seed=6)
+    gguf_path = tmp_path / "m.gguf"
+    weights = _as_if_converted_from_q4_1(folder, gguf_path)
+    config = read_model_config(folder)
+
+    model = load_weights(folder, config, torch.float32, "cpu", weights)
+    summary = quantize_model(model, weights, "int4", gguf_path)
+    assert (summary.from_gguf, summary.from_floats) == (4 * config.num_layers, 0)
+    float_model = load_weights(folder, config, torch.float32, "cpu", weights)
+    # The blocks are the float model's weights: the int4 model computes it (to summation order).
+    for prompt in PROMPTS:
+        torch.testing.assert_close(prefill_logits(model, [prompt]), prefill_logits(float_model, [prompt]),
+                                   atol=1e-4, rtol=1e-4)
+
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"] * 1.01
+    edited = quantize_model(load_weights(folder, config, torch.float32, "cpu", weights), weights, "int4", gguf_path)
+    assert (edited.from_gguf, edited.from_floats) == (4 * config.num_layers - 1, 1)
+    assert "layer 1 down_proj differs from the folder's weights" in caplog.text
+    as_int8 = quantize_model(load_weights(folder, config, torch.float32, "cpu", weights), weights, "int8", gguf_path)
+    assert (as_int8.from_gguf, as_int8.from_floats) == (0, 4 * config.num_layers)  # Q4 blocks are not int8's
