@@ -37,11 +37,11 @@ QUANTIZATIONS = ("none", "int8", "int4")
 def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, window: int | None,
              stride: int | None, as_json: bool, file: Path) -> None:
     """Perplexity of a text FILE through the engine, in sliding windows (no server)."""
+    from ops.cli import worker_settings
     from ops.offline import engine_config, load_named_model
     from ops.perplexity import perplexity, plan_windows
     from workers.engine.engine import Engine
     from workers.models.tokenizer import tokenizer_payload
-    from ops.cli import worker_settings
     from workers.wire.tokenizer import TextTokenizer
 
     settings = worker_settings()

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from workers.models.assets import ModelFolderError, check_model_folder, source_gguf
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.llama import LlamaForCausalLM
-from workers.models.registry import model_class
 from workers.models.quantize import check_quantization, quantize_model
+from workers.models.registry import model_class
 from workers.models.tokenizer import TokenCodec
 
 
