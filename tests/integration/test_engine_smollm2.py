@@ -34,11 +34,6 @@ REGIMES = {
 
 
 @pytest.fixture(scope="module")
-def fp32(smollm2_folder: Path) -> LoadedModel:
-    return load_model(smollm2_folder, torch.float32)
-
-
-@pytest.fixture(scope="module")
 def prompts(fp32: LoadedModel) -> list[list[int]]:
     tokenizer = TextTokenizer.from_payload(tokenizer_payload(fp32.folder))
     return [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

@@ -51,11 +51,6 @@ def prompts(tokenizer: TextTokenizer) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
-@pytest.fixture(scope="module")
-def fp32(smollm2_folder: Path) -> LoadedModel:
-    return load_model(smollm2_folder, torch.float32)
-
-
 def _greedy(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
     engine = Engine(loaded, EngineConfig(num_blocks=200))
     outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -4,14 +4,11 @@ preemption); drafts are accepted and rejected along the way; no block leaks afte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.models.loader import LoadedModel, load_model
+from workers.models.loader import LoadedModel
 from workers.models.tokenizer import tokenizer_payload
 from workers.wire.sampling import SamplingParams
 from workers.wire.tokenizer import TextTokenizer
@@ -30,11 +27,6 @@ REGIMES = {
     "chunked": EngineConfig(num_blocks=400, max_batch_tokens=48),
     "preempting": EngineConfig(num_blocks=12, block_size=16),  # 12 x 16 tokens cannot hold four ~110-token sequences
 }
-
-
-@pytest.fixture(scope="module")
-def fp32(smollm2_folder: Path) -> LoadedModel:
-    return load_model(smollm2_folder, torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,10 @@ from workers.engine.engine import Engine
 from workers.engine.request import FinishReason, Priority
 from workers.generate import SamplingParams as PlainParams
 from workers.generate import generate
-from workers.models.loader import LoadedModel, load_model
+from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    from workers.models.tiny import write_tiny_model_folder
-
-    folder = write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3)
-    return load_model(folder, torch.float32)
 
 
 @pytest.fixture(scope="module")

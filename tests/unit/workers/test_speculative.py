@@ -15,20 +15,11 @@ from workers.engine.config import EngineConfig
 from workers.engine.drafter import NgramDrafter, make_drafter
 from workers.engine.engine import Engine
 from workers.engine.request import Sequence
-from workers.models.loader import LoadedModel, load_model
 from workers.paged_step import prefill_logits
 from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}  # p = 0.001
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    from workers.models.tiny import write_tiny_model_folder
-
-    folder = write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3)
-    return load_model(folder, torch.float32)
 
 
 @pytest.fixture(scope="module")
