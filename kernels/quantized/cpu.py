@@ -4,8 +4,9 @@ Two kernels, chosen per layer at packing (`pack_for_cpu(kernel=...)`, "auto" by 
 
 - **native** (`torch.ops.tollway_cpu.int4_matmul` / `int8_matmul`, kernels/cpu/native/quantized_matmul.cpp):
   dequantize-on-the-fly in fp32 with the layout's fp32 scales and mins as they are, for fp32 and bf16
-  activations. int4 codes are repacked once into GGUF's nibble order within 32-blocks (code j and
-  j + 16 share byte j), which unpacks with one shift; groups must be multiples of 32.
+  activations. The codes are repacked once into tiles of 8 output rows with their blocks interleaved
+  (one contiguous stream per tile, `native_tiles`); int4 blocks in GGUF's nibble order (code j and
+  j + 16 share byte j: one shift unpacks them), groups multiples of 32.
 - **torch** (`aten._weight_int8pack_mm(x, w int8 [N, K], scales [N])`;
   `aten._convert_weight_to_int4pack_for_cpu(codes int32 [N, K], inner_k_tiles)` once, then
   `aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros [K / group, N, 2])` with
@@ -31,12 +32,17 @@ from kernels.quantized.layout import QuantizedWeight, unpack_int4
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """The group sizes `_weight_int4pack_mm_for_cpu` accepts (the native kernel: any multiple of 32)."""
 NATIVE_BLOCK = 32
+NATIVE_TILE = 8
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("auto", "native", "torch")
-DEQUANTIZE_FROM_ROWS = 16
-"""From this many rows of x the native kernel dequantizes the weight once (into x's dtype) and runs one
-GEMM on it (`F.linear`): prefill chunks are compute-bound, where a row-by-row kernel loses (measured:
-ops/bench/RESULTS.md, "Issue 22")."""
+DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
+    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 16, (torch.float32, 8): 64,
+}
+"""(activation dtype, bits) -> from this many rows of x the native kernel dequantizes the weight once
+(into x's dtype) and runs one GEMM on it (`F.linear`): prefill chunks are compute-bound, where the
+row kernel loses; the crossovers measured on a 2-core AVX512-BF16 host, weights streamed from memory
+(ops/bench/quantization.py, ops/bench/RESULTS.md "Issue 22"). int8's row kernel is cheaper per weight
+than int4's (no unpacking, no mins) and holds out longer against the fp32 GEMM."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,12 @@ class CpuPacked:
     kernel: str
     bits: int
     weight: torch.Tensor
-    """int8 [N, K]; int4: uint8 [N, K // 2] in native block order or torch's int4pack."""
+    """native: tiles (`native_tiles`); torch: int8 [N, K] or its int4pack."""
     scales: torch.Tensor
-    """native: fp32 [N, K // group] (int8: [N]); torch: [N] (int8) or scales_and_zeros
+    """native: fp32 tiles [T, K // group, 8] (int8: [T, 8]); torch: [N] (int8) or scales_and_zeros
     [K // group, N, 2] (int4), in `dtype`."""
     mins: torch.Tensor | None
-    """native int4 only: fp32 [N, K // group]."""
+    """native int4 only: fp32 tiles as the scales."""
     group_size: int
     dtype: torch.dtype
     shape: tuple[int, int]
@@ -62,11 +68,30 @@ class CpuPacked:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
-def native_block_order(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K] -> uint8 [N, K // 2]: per block of 32, byte j = code j | code (j + 16) << 4."""
-    n, k = codes.shape
-    blocks = codes.to(torch.uint8).view(n, k // NATIVE_BLOCK, 2, NATIVE_BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows padded with zeros to a whole number of tiles."""
+    extra = -t.shape[0] % NATIVE_TILE
+    return torch.cat((t, t.new_zeros((extra, *t.shape[1:])))) if extra else t
+
+
+def native_tiles(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] (int4: uint8 in [0, 15]; int8: int8) -> the native kernel's tiles [ceil(N / 8), 16 * K / b]:
+    tile t holds rows 8t .. 8t + 7 (zero rows past N), 16-byte blocks interleaved row by row (block b of
+    row c at ((b * 8) + c) * 16); an int4 block is 32 codes, byte j = code j | code (j + 16) << 4."""
+    k = codes.shape[1]
+    rows = _pad_rows(codes)
+    if bits == 4:
+        halves = rows.to(torch.uint8).view(-1, NATIVE_TILE, k // NATIVE_BLOCK, 2, NATIVE_BLOCK // 2)
+        blocks = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [T, 8, K / 32, 16]
+    else:
+        blocks = rows.view(-1, NATIVE_TILE, k // 16, 16)
+    return blocks.transpose(1, 2).contiguous().view(blocks.shape[0], -1)
+
+
+def native_scale_tiles(values: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G] (or [N]) -> fp32 tiles [T, G, 8] (or [T, 8]), zero past N."""
+    rows = _pad_rows(values.float().reshape(values.shape[0], -1))
+    return rows.view(-1, NATIVE_TILE, rows.shape[1]).transpose(1, 2).contiguous()
 
 
 def choose_kernel(kernel: str, weight: QuantizedWeight, dtype: torch.dtype) -> str:
@@ -99,12 +124,11 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
     kernel = choose_kernel(kernel, weight, dtype)
     if kernel == "native":
         if weight.bits == 8:
-            scales = weight.scales.reshape(n).float().contiguous()
-            return CpuPacked("native", 8, weight.qweight.contiguous(), scales, None, k, dtype, (n, k))
+            return CpuPacked("native", 8, native_tiles(weight.qweight, 8), native_scale_tiles(weight.scales).view(-1, 8),
+                             None, k, dtype, (n, k))
         assert weight.mins is not None  # int4 weights carry mins (QuantizedWeight checks it)
-        return CpuPacked("native", 4, native_block_order(unpack_int4(weight.qweight)),
-                         weight.scales.float().contiguous(), weight.mins.float().contiguous(), weight.group_size,
-                         dtype, (n, k))
+        return CpuPacked("native", 4, native_tiles(unpack_int4(weight.qweight), 4), native_scale_tiles(weight.scales),
+                         native_scale_tiles(weight.mins), weight.group_size, dtype, (n, k))
     if weight.bits == 8:
         scales = weight.scales.reshape(n).to(dtype).contiguous()
         return CpuPacked("torch", 8, weight.qweight.contiguous(), scales, None, k, dtype, (n, k))
@@ -123,20 +147,21 @@ def dequantize_native(packed: CpuPacked) -> torch.Tensor:
     """The float weight [N, K] in packed.dtype of a native packing (w = q * scale + min, rounded as
     kernels/quantized/layout.dequantize rounds it, then to the dtype)."""
     if packed.bits == 8:
-        return torch.ops.tollway_cpu.int8_dequantize(packed.weight, packed.scales, packed.dtype)
-    return torch.ops.tollway_cpu.int4_dequantize(packed.weight, packed.scales, packed.mins, packed.group_size,
-                                                 packed.dtype)
+        return torch.ops.tollway_cpu.int8_dequantize(packed.weight, packed.scales, packed.shape[0], packed.dtype)
+    return torch.ops.tollway_cpu.int4_dequantize(packed.weight, packed.scales, packed.mins, packed.shape[0],
+                                                 packed.group_size, packed.dtype)
 
 
 def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """x [M, K] in packed.dtype -> x @ W.T [M, N] in the same dtype."""
     x = x.contiguous()
     if packed.kernel == "native":
-        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        if x.shape[0] >= DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]:
             return F.linear(x, dequantize_native(packed))
         if packed.bits == 8:
-            return torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales)
-        return torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, packed.group_size)
+            return torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales, packed.shape[0])
+        return torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, packed.shape[0],
+                                                 packed.group_size)
     if packed.bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, packed.weight, packed.scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.weight, packed.group_size, packed.scales)

@@ -20,12 +20,14 @@ the engine offline, and memory, per format (none / int8 / int4), in one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +48,7 @@ from workers.wire.sampling import SamplingParams
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
 ROWS = (1, 8, 32)
+CROSSOVER_ROWS = (4, 8, 16, 32, 64, 128)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -57,75 +60,89 @@ def cpu_flags() -> str:
     return "?"
 
 
-def median_us(fn, x: torch.Tensor, round_s: float = 0.02, rounds: int = 7) -> float:
-    """Median time of a call over `rounds` rounds of about `round_s` each (after a warm-up)."""
+def median_us(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, round_s: float = 0.02,
+              rounds: int = 7) -> float:
+    """Median time of a call over `rounds` rounds of about `round_s` each (after a warm-up), the calls
+    cycling through `fns` (one per layer: distinct weights, read from memory as a decode step reads them)."""
     start = time.perf_counter()
-    for _ in range(3):
+    for fn in fns:
         fn(x)
-    calls = max(1, min(500, int(round_s / max((time.perf_counter() - start) / 3, 1e-7))))
+    calls = max(len(fns), min(50 * len(fns), int(round_s / max((time.perf_counter() - start) / len(fns), 1e-7))))
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
+        for i in range(calls):
+            fns[i % len(fns)](x)
         samples.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(samples)
+
+
+def layer_copies(n: int, k: int, dtype: torch.dtype, kernels: list[str], copies: int,
+                 gen: torch.Generator) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """`copies` distinct random [n, k] weights in every variant the microbench times."""
+    kind = packing_kind(dtype)
+    variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+    for _ in range(copies):
+        w = torch.randn(n, k, generator=gen) * 0.02
+        plain = nn.Linear(k, n, bias=False)
+        plain.weight.data = w.to(dtype)
+        variants.setdefault("linear", []).append(functools.partial(F.linear, weight=plain.weight))
+        if kind:
+            variants.setdefault("packed", []).append(PackedLinear(plain, kind, batch_hint=32))
+        q8, q4 = quantize_int8(w), quantize_int4(w, INT4_GROUP_SIZE)
+        for kern in kernels:
+            variants.setdefault(f"i8-{kern}", []).append(QuantizedLinear(q8, None, dtype, kernel=kern))
+            variants.setdefault(f"i4-{kern}", []).append(QuantizedLinear(q4, None, dtype, kernel=kern))
+    return variants
 
 
 @torch.inference_mode()
 def microbench(dtype: torch.dtype, layers: int) -> None:
     name = str(dtype).removeprefix("torch.")
-    kind = packing_kind(dtype)
-    have_native = native.load()
-    kernels = ["torch", *(["native"] if have_native else [])]
-    variants = ["linear", *(["packed"] if kind else []), *(f"i{b}-{kern}" for b in (8, 4) for kern in kernels)]
-    print(f"\nlinear ops, {name}, us per call (median); 'all' = {layers} layers x the four projections")
-    print(f"{'shape':>16} {'M':>3} " + " ".join(f"{v:>8}" for v in variants))
-    totals = {(m, v): 0.0 for m in ROWS for v in variants}
+    kernels = ["torch", *(["native"] if native.load() else [])]
+    print(f"\nlinear ops, {name}, us per call (median, cycling through {layers} distinct weights per shape as "
+          f"the layers of a step do); 'all' = {layers} layers x the four projections")
+    totals: dict[tuple[int, str], float] = {}
     gen = torch.Generator().manual_seed(0)
-    for label, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, generator=gen) * 0.02
-        plain = nn.Linear(k, n, bias=False)
-        plain.weight.data = w.to(dtype)
-        modules = {"linear": lambda x, weight=plain.weight: F.linear(x, weight)}
-        for kern in kernels:
-            modules[f"i8-{kern}"] = QuantizedLinear(quantize_int8(w), None, dtype, kernel=kern)
-            modules[f"i4-{kern}"] = QuantizedLinear(quantize_int4(w, INT4_GROUP_SIZE), None, dtype, kernel=kern)
-        if kind:
-            modules["packed"] = PackedLinear(plain, kind, batch_hint=32)
+    for index, (label, (n, k)) in enumerate(SHAPES.items()):
+        variants = layer_copies(n, k, dtype, kernels, layers, gen)
+        if index == 0:
+            print(f"{'shape':>16} {'M':>3} " + " ".join(f"{v:>8}" for v in variants))
         for m in ROWS:
             x = torch.randn(m, k, generator=gen).to(dtype)
-            times = {v: median_us(modules[v], x) for v in variants}
-            for v in variants:
-                totals[(m, v)] += times[v] * layers
-            print(f"{label + f' {k}->{n}':>16} {m:>3} " + " ".join(f"{times[v]:8.1f}" for v in variants), flush=True)
+            times = {v: median_us(fns, x) for v, fns in variants.items()}
+            for v, t in times.items():
+                totals[(m, v)] = totals.get((m, v), 0.0) + t * layers
+            print(f"{label + f' {k}->{n}':>16} {m:>3} " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
+        del variants
     for m in ROWS:
-        print(f"{'all':>16} {m:>3} " + " ".join(f"{totals[(m, v)]:8.0f}" for v in variants))
+        print(f"{'all':>16} {m:>3} " + " ".join(f"{t:8.0f}" for (mm, _), t in totals.items() if mm == m))
 
 
 @torch.inference_mode()
 def crossover(dtype: torch.dtype, layers: int) -> None:
     """The native kernel's two ways at growing M: the row kernel vs dequantize + one GEMM, summed
-    over the four projections x `layers` (what `DEQUANTIZE_FROM_ROWS` chooses between)."""
+    over the four projections x `layers` (what `dequantize_from_rows` chooses between)."""
     print(f"\nnative kernel, {str(dtype).removeprefix('torch.')}: row kernel vs dequantize + GEMM, us for all "
           f"{layers} layers' projections")
     print(f"{'M':>4} {'i8 rows':>9} {'i8 deq':>9} {'i4 rows':>9} {'i4 deq':>9}")
     gen = torch.Generator().manual_seed(1)
-    layers_of = {label: (QuantizedLinear(quantize_int8(w), None, dtype, kernel="native"),
-                         QuantizedLinear(quantize_int4(w, INT4_GROUP_SIZE), None, dtype, kernel="native"))
-                 for label, w in ((label, torch.randn(n, k, generator=gen) * 0.02) for label, (n, k) in SHAPES.items())}
+    sums = {m: [0.0, 0.0, 0.0, 0.0] for m in CROSSOVER_ROWS}
     saved = qcpu.DEQUANTIZE_FROM_ROWS
     try:
-        for m in (4, 8, 16, 32, 64):
-            sums = [0.0, 0.0, 0.0, 0.0]
-            for label, (i8, i4) in layers_of.items():
-                x = torch.randn(m, SHAPES[label][1], generator=gen).to(dtype)
-                for j, (module, threshold) in enumerate(((i8, 10**9), (i8, 1), (i4, 10**9), (i4, 1))):
-                    qcpu.DEQUANTIZE_FROM_ROWS = threshold
-                    sums[j] += median_us(module, x) * layers
-            print(f"{m:>4} " + " ".join(f"{s:9.0f}" for s in sums), flush=True)
+        for n, k in SHAPES.values():
+            variants = layer_copies(n, k, dtype, ["native"], layers, gen)
+            for m in CROSSOVER_ROWS:
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                for j, (name, threshold) in enumerate((("i8-native", 10**9), ("i8-native", 1), ("i4-native", 10**9),
+                                                       ("i4-native", 1))):
+                    qcpu.DEQUANTIZE_FROM_ROWS = {key: threshold for key in saved}
+                    sums[m][j] += median_us(variants[name], x) * layers
+            del variants
     finally:
         qcpu.DEQUANTIZE_FROM_ROWS = saved
+    for m in CROSSOVER_ROWS:
+        print(f"{m:>4} " + " ".join(f"{s:9.0f}" for s in sums[m]), flush=True)
 
 
 def rss_mb() -> tuple[float, float]:

@@ -1,17 +1,21 @@
-// Weight-only quantized matmuls (issue 22), registered as torch.ops.tollway_cpu.int4_matmul / int8_matmul.
+// Weight-only quantized matmuls (issue 22), registered as torch.ops.tollway_cpu.int4_matmul / int8_matmul,
+// and the dequantize ops their callers use for large M.
 //
 // y [M, N] = x [M, K] @ W.T with W dequantized on the fly, never materialised; x fp32 or bf16, y in
 // x's dtype; all arithmetic in fp32 with the scales and mins as given (fp32). Made for the decode
-// step's small M: tiles of 4-8 weight rows against kRows activation rows at a time (independent FMA
-// chains), the tile's weight rows in L1 for all passes over x's rows; from DEQUANTIZE_FROM_ROWS rows
-// (kernels/quantized/cpu.py) the caller dequantizes once (the *_dequantize ops) and runs a GEMM.
+// step's small M, where reading the weights is the cost: the weights are stored in tiles of kTile = 8
+// output rows whose blocks are interleaved, so a tile is one contiguous stream (its scales another),
+// and each tile is read once for all of x's rows (kRows of them per pass, the tile staying in L1).
+// From DEQUANTIZE_FROM_ROWS rows (kernels/quantized/cpu.py) the caller dequantizes once (the
+// *_dequantize ops) and runs a GEMM instead.
 //
-// int4: qweight uint8 [N, K / 2] in blocks of 32 codes (16 bytes): byte j of a block holds code j in
-//   its low nibble and code j + 16 in its high one (GGUF's Q4 order; kernels/quantized/cpu.py repacks
-//   the layout's pairs into it). scales, mins fp32 [N, K / group] (group a multiple of 32):
-//   w = q * scale + min, so y[m, n] = sum_g (scale[n, g] * sum_{k in g} x[m, k] q[n, k]) + sum_g
-//   min[n, g] * xsum[m, g], with xsum computed once per call.
-// int8: qweight int8 [N, K] (K a multiple of 16), scales fp32 [N]: y[m, n] = scale[n] * sum_k x[m, k] q[n, k].
+// Layouts (T = ceil(N / 8) tiles; rows past N are zero padding):
+// int4: qweight uint8 [T, K / 32, 8, 16]: for tile t, block b (codes 32b .. 32b + 31), row c, byte j
+//   holds code j in its low nibble and code j + 16 in its high one (GGUF's Q4 order). scales, mins fp32
+//   [T, G, 8] (G = K / group, group a multiple of 32): w = q * scale + min, so
+//   y[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] q[n, k] + sum_g min[n, g] * xsum[m, g].
+// int8: qweight int8 [T, K / 16, 8, 16] (K a multiple of 16), scales fp32 [T, 8]:
+//   y[m, n] = scale[n] * sum_k x[m, k] q[n, k].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -22,20 +26,20 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 namespace {
 
 using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
+constexpr int64_t kTile = 8;    // output rows interleaved per tile
 constexpr int64_t kBlock = 32;  // int4 codes per 16-byte block
+constexpr int64_t kBytes = 16;  // bytes of one row's block (32 int4 or 16 int8 codes)
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t kRows = 4;  // activation rows sharing one pass over a tile of weight rows (32 vector registers)
+constexpr int64_t kRows = 2;  // rows of x per pass over a tile: 2 x 8 accumulators of 32 vector registers
 #else
-constexpr int64_t kRows = 2;  // (16 vector registers)
+constexpr int64_t kRows = 1;  // 8 accumulators of 16
 #endif
-constexpr int64_t kGrainRows = 16;
 
 inline float sum_all(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -74,105 +78,91 @@ inline void store_out(T* dst, float value) {
   *dst = static_cast<T>(value);  // c10::BFloat16 rounds to nearest even, as torch does
 }
 
-// One tile: R rows of x (fp32, row stride K) against C consecutive weight rows (row stride K / 2) ->
-// y[r * N + c]. The R x C accumulators are independent FMA chains (C = 8 when R = 1, so a single
-// decode row still keeps the FMA units busy); x's rows and the tile's weight rows stay in L1.
-template <typename T, int64_t R, int64_t C>
-inline void int4_tile(const float* x, const float* minterm, int64_t K, int64_t G, int64_t group, const uint8_t* w,
-                      const float* scale, T* y, int64_t N) {
-  Vec acc[R][C];
-  #pragma GCC unroll 8
+// R rows of x (fp32, row stride K) against one tile -> y[r * N + c] for its `valid` real rows.
+template <typename T, int64_t R>
+inline void int4_tile(const float* x, const float* xsum, int64_t K, int64_t G, int64_t group, const uint8_t* w,
+                      const float* scale, const float* mins, T* y, int64_t N, int64_t valid) {
+  Vec acc[R][kTile];
+#pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r)
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kBlock) {
-      #pragma GCC unroll 8
-      for (int64_t c = 0; c < C; ++c) {
-        const Vec s(scale[c * G + g]);
-        Vec q[kBlock / W];
-        load_int4_block(w + c * (K / 2) + k0 / 2, q);
-        #pragma GCC unroll 8
-        for (int64_t j = 0; j < kBlock / W; ++j) {
-          const Vec wv = q[j] * s;
-          #pragma GCC unroll 8
-          for (int64_t r = 0; r < R; ++r) {
-            acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), wv, acc[r][c]);
-          }
-        }
-      }
-    }
-  }
-  #pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r) {
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) {
-      store_out(y + r * N + c, sum_all(acc[r][c]) + minterm[r * N + c]);
-    }
-  }
-}
-
-template <typename T, int64_t R, int64_t C>
-inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* scale, T* y, int64_t N) {
-  Vec acc[R][C];
-  #pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r)
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) {
-      Vec q[16 / W];
-      load_int8_16(w + c * K + k0, q);
-      #pragma GCC unroll 8
-      for (int64_t j = 0; j < 16 / W; ++j) {
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kTile; ++c) acc[r][c] = Vec(0.f);
+  const int64_t per_group = group / kBlock;
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* s = scale + (b / per_group) * kTile;
+    const uint8_t* wb = w + b * kTile * kBytes;
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kTile; ++c) {
+      const Vec sc(s[c]);
+      Vec q[kBlock / W];
+      load_int4_block(wb + c * kBytes, q);
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kBlock / W; ++j) {
+        const Vec wv = q[j] * sc;
+#pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) {
-          acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + k0 + j * W), q[j], acc[r][c]);
+          acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + b * kBlock + j * W), wv, acc[r][c]);
         }
       }
     }
   }
-  #pragma GCC unroll 8
-  for (int64_t r = 0; r < R; ++r)
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) store_out(y + r * N + c, sum_all(acc[r][c]) * scale[c]);
+  for (int64_t r = 0; r < R; ++r) {
+    __m256 mt = _mm256_setzero_ps();  // the tile's 8 rows' sum_g min[n, g] * xsum[r, g]
+    for (int64_t g = 0; g < G; ++g) {
+      mt = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g * kTile), _mm256_set1_ps(xsum[r * G + g]), mt);
+    }
+    alignas(32) float mv[kTile];
+    _mm256_store_ps(mv, mt);
+    for (int64_t c = 0; c < valid; ++c) store_out(y + r * N + c, sum_all(acc[r][c]) + mv[c]);
+  }
 }
 
-// Calls tile.operator()<R, C>(m0, n0) over x's rows in passes of kRows for weight rows n0 .. n0 + C.
-template <int64_t C, typename F>
-inline void tile_rows(F& tile, int64_t M, int64_t n0) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    switch (std::min(kRows, M - m0)) {
-      case 4: tile.template operator()<4, C>(m0, n0); break;
-      case 3: tile.template operator()<3, C>(m0, n0); break;
-      case 2: tile.template operator()<2, C>(m0, n0); break;
-      default: tile.template operator()<1, C>(m0, n0);
+template <typename T, int64_t R>
+inline void int8_tile(const float* x, int64_t K, const int8_t* w, const float* scale, T* y, int64_t N,
+                      int64_t valid) {
+  Vec acc[R][kTile];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kTile; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t b = 0; b < K / kBytes; ++b) {
+    const int8_t* wb = w + b * kTile * kBytes;
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kTile; ++c) {
+      Vec q[kBytes / W];
+      load_int8_16(wb + c * kBytes, q);
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kBytes / W; ++j) {
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r][c] = at::vec::fmadd(Vec::loadu(x + r * K + b * kBytes + j * W), q[j], acc[r][c]);
+        }
+      }
     }
   }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < valid; ++c) store_out(y + r * N + c, sum_all(acc[r][c]) * scale[c]);
 }
 
-// Every tile of weight rows [begin, end): 8 rows at a time for one x row, else 4, then single rows.
+// Calls pass.operator()<R>(m0) over x's rows in passes of kRows (the last one shorter).
 template <typename F>
-inline void for_tiles(int64_t M, int64_t begin, int64_t end, F&& tile) {
-  int64_t n = begin;
-  if (M == 1) {
-    for (; n + 8 <= end; n += 8) tile.template operator()<1, 8>(0, n);
+inline void for_row_passes(int64_t M, F&& pass) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    if constexpr (kRows >= 2) {
+      if (M - m0 >= 2) {
+        pass.template operator()<2>(m0);
+        continue;
+      }
+    }
+    pass.template operator()<1>(m0);
   }
-  for (; n + 4 <= end; n += 4) tile_rows<4>(tile, M, n);
-  for (; n < end; ++n) tile_rows<1>(tile, M, n);
-}
-
-at::Tensor as_float_rows(const at::Tensor& x) {
-  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
 }
 
 template <typename T>
 void int4_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
-               int64_t group, at::Tensor& out) {
-  const int64_t M = xf.size(0), K = xf.size(1), N = qweight.size(0), G = K / group;
+               int64_t N, int64_t group, at::Tensor& out) {
+  const int64_t M = xf.size(0), K = xf.size(1), G = K / group, tiles = qweight.size(0);
   const float* x = xf.data_ptr<float>();
-  // The mins' share, sum_g min[n, g] * xsum[m, g], for all (m, n) at once: one small GEMM [M, G] x [G, N].
   at::Tensor xsum = at::empty({M, G}, xf.options());
   float* xs = xsum.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
@@ -182,74 +172,37 @@ void int4_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor
       xs[m * G + g] = sum_all(acc);
     }
   }
-  const at::Tensor minterm = at::mm(xsum, mins.t());
-  const float* mt = minterm.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
+  const float* mn = mins.data_ptr<float>();
   T* y = out.data_ptr<T>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for_tiles(M, begin, end, [&]<int64_t R, int64_t C>(int64_t m0, int64_t n0) {
-      int4_tile<T, R, C>(x + m0 * K, mt + m0 * N + n0, K, G, group, w + n0 * K / 2, s + n0 * G, y + m0 * N + n0, N);
-    });
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, valid = std::min(kTile, N - n0);
+      for_row_passes(M, [&]<int64_t R>(int64_t m0) {
+        int4_tile<T, R>(x + m0 * K, xs + m0 * G, K, G, group, w + t * K * kTile / 2, s + t * G * kTile,
+                        mn + t * G * kTile, y + m0 * N + n0, N, valid);
+      });
+    }
   });
 }
 
 template <typename T>
-void int8_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor& scales, at::Tensor& out) {
-  const int64_t M = xf.size(0), K = xf.size(1), N = qweight.size(0);
+void int8_impl(const at::Tensor& xf, const at::Tensor& qweight, const at::Tensor& scales, int64_t N, at::Tensor& out) {
+  const int64_t M = xf.size(0), K = xf.size(1), tiles = qweight.size(0);
   const float* x = xf.data_ptr<float>();
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   T* y = out.data_ptr<T>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for_tiles(M, begin, end, [&]<int64_t R, int64_t C>(int64_t m0, int64_t n0) {
-      int8_tile<T, R, C>(x + m0 * K, K, w + n0 * K, s + n0, y + m0 * N + n0, N);
-    });
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, valid = std::min(kTile, N - n0);
+      for_row_passes(M, [&]<int64_t R>(int64_t m0) {
+        int8_tile<T, R>(x + m0 * K, K, w + t * K * kTile, s + t * kTile, y + m0 * N + n0, N, valid);
+      });
+    }
   });
 }
-
-void check_x(const at::Tensor& x, int64_t K, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
-}
-
-at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t group) {
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
-  check_x(x, K, "int4_matmul");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "int4_matmul: qweight uint8 [N, K/2]");
-  TORCH_CHECK(group % kBlock == 0 && K % group == 0, "int4_matmul: group must be a multiple of 32 dividing K");
-  for (const auto* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == K / group,
-                "int4_matmul: scales and mins must be contiguous fp32 [N, K / group]");
-  }
-  const at::Tensor xf = as_float_rows(x);
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    int4_impl<float>(xf, qweight, scales, mins, group, out);
-  } else {
-    int4_impl<BFloat16>(xf, qweight, scales, mins, group, out);
-  }
-  return out;
-}
-
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  const int64_t N = qweight.size(0), K = qweight.size(1);
-  check_x(x, K, "int8_matmul");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous() && K % 16 == 0,
-              "int8_matmul: qweight must be contiguous int8 [N, K] with K a multiple of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
-              "int8_matmul: scales must be contiguous fp32 [N]");
-  const at::Tensor xf = as_float_rows(x);
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    int8_impl<float>(xf, qweight, scales, out);
-  } else {
-    int8_impl<BFloat16>(xf, qweight, scales, out);
-  }
-  return out;
-}
-
 
 // ---- dequantization, for batches large enough that a GEMM on the float weight wins -----------
 // V vectors (V * W values) to dst in T (bf16: round to nearest even, as torch does).
@@ -265,76 +218,128 @@ inline void store_vecs(const Vec* v, T* dst) {
 }
 
 template <typename T>
-void int4_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+void int4_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t N,
                           int64_t group, at::Tensor& out) {
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, G = K / group;
+  const int64_t K = qweight.size(1) / 4, G = K / group, per_group = group / kBlock;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const float* mn = mins.data_ptr<float>();
   T* y = out.data_ptr<T>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
-        const int64_t g = n * G + k0 / group;
-        Vec q[kBlock / W];
-        load_int4_block(w + n * K / 2 + k0 / 2, q);
-        #pragma GCC unroll 8
-        for (int64_t j = 0; j < kBlock / W; ++j) q[j] = q[j] * Vec(s[g]) + Vec(mn[g]);  // as dequantize()
-        store_vecs<T, kBlock / W>(q, y + n * K + k0);
+  at::parallel_for(0, qweight.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        for (int64_t c = 0; c < std::min(kTile, N - t * kTile); ++c) {
+          const int64_t at_scale = (t * G + b / per_group) * kTile + c;
+          Vec q[kBlock / W];
+          load_int4_block(w + ((t * (K / kBlock) + b) * kTile + c) * kBytes, q);
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kBlock / W; ++j) q[j] = q[j] * Vec(s[at_scale]) + Vec(mn[at_scale]);  // as dequantize()
+          store_vecs<T, kBlock / W>(q, y + (t * kTile + c) * K + b * kBlock);
+        }
       }
     }
   });
 }
 
 template <typename T>
-void int8_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, at::Tensor& out) {
-  const int64_t N = qweight.size(0), K = qweight.size(1);
+void int8_dequantize_impl(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, at::Tensor& out) {
+  const int64_t K = qweight.size(1) / kTile;
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   T* y = out.data_ptr<T>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k0 = 0; k0 < K; k0 += 16) {
-        Vec q[16 / W];
-        load_int8_16(w + n * K + k0, q);
-        #pragma GCC unroll 8
-        for (int64_t j = 0; j < 16 / W; ++j) q[j] = q[j] * Vec(s[n]);
-        store_vecs<T, 16 / W>(q, y + n * K + k0);
+  at::parallel_for(0, qweight.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < K / kBytes; ++b) {
+        for (int64_t c = 0; c < std::min(kTile, N - t * kTile); ++c) {
+          Vec q[kBytes / W];
+          load_int8_16(w + ((t * (K / kBytes) + b) * kTile + c) * kBytes, q);
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kBytes / W; ++j) q[j] = q[j] * Vec(s[t * kTile + c]);
+          store_vecs<T, kBytes / W>(q, y + (t * kTile + c) * K + b * kBytes);
+        }
       }
     }
   });
 }
 
-at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t group,
-                           at::ScalarType dtype) {
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() && group % kBlock == 0 && K % group == 0,
-              "int4_dequantize: qweight uint8 [N, K/2], group a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous()
-              && mins.is_contiguous() && scales.numel() == N * (K / group) && mins.numel() == scales.numel(),
-              "int4_dequantize: scales and mins must be contiguous fp32 [N, K / group]");
-  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
-  if (dtype == at::kFloat) {
-    int4_dequantize_impl<float>(qweight, scales, mins, group, out);
+// ---- the ops ----------------------------------------------------------------------------------
+void check_tiles(const at::Tensor& qweight, at::ScalarType kind, int64_t N, int64_t K, int64_t per_row,
+                 const char* op) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == kind && qweight.is_contiguous(), op,
+              ": qweight must be a contiguous tile tensor [ceil(N / 8), ", per_row, " x K]");
+  TORCH_CHECK(N > 0 && qweight.size(0) == (N + kTile - 1) / kTile, op, ": ", qweight.size(0), " tiles for ", N, " rows");
+  TORCH_CHECK(K > 0 && K % kBytes == 0, op, ": K must be a multiple of 16, got ", K);
+}
+
+void check_scales(const at::Tensor& t, int64_t tiles, int64_t per_tile, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == tiles * per_tile, op,
+              ": scales (and mins) must be contiguous fp32 tiles of ", per_tile);
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
+  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t N, int64_t group) {
+  const int64_t K = qweight.size(1) / 4;
+  check_tiles(qweight, at::kByte, N, K, 4, "int4_matmul");
+  TORCH_CHECK(group % kBlock == 0 && K % group == 0, "int4_matmul: group must be a multiple of 32 dividing K");
+  check_scales(scales, qweight.size(0), (K / group) * kTile, "int4_matmul");
+  check_scales(mins, qweight.size(0), (K / group) * kTile, "int4_matmul");
+  const at::Tensor xf = as_float_rows(x, K, "int4_matmul");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    int4_impl<float>(xf, qweight, scales, mins, N, group, out);
   } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "int4_dequantize: fp32 or bf16 only");
-    int4_dequantize_impl<BFloat16>(qweight, scales, mins, group, out);
+    int4_impl<BFloat16>(xf, qweight, scales, mins, N, group, out);
   }
   return out;
 }
 
-at::Tensor int8_dequantize(const at::Tensor& qweight, const at::Tensor& scales, at::ScalarType dtype) {
-  const int64_t N = qweight.size(0), K = qweight.size(1);
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous() && K % 16 == 0,
-              "int8_dequantize: qweight must be contiguous int8 [N, K] with K a multiple of 16");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
-              "int8_dequantize: scales must be contiguous fp32 [N]");
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t N) {
+  const int64_t K = qweight.size(1) / kTile;
+  check_tiles(qweight, at::kChar, N, K, kTile, "int8_matmul");
+  check_scales(scales, qweight.size(0), kTile, "int8_matmul");
+  const at::Tensor xf = as_float_rows(x, K, "int8_matmul");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    int8_impl<float>(xf, qweight, scales, N, out);
+  } else {
+    int8_impl<BFloat16>(xf, qweight, scales, N, out);
+  }
+  return out;
+}
+
+at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t N,
+                           int64_t group, at::ScalarType dtype) {
+  const int64_t K = qweight.size(1) / 4;
+  check_tiles(qweight, at::kByte, N, K, 4, "int4_dequantize");
+  TORCH_CHECK(group % kBlock == 0 && K % group == 0, "int4_dequantize: group must be a multiple of 32 dividing K");
+  check_scales(scales, qweight.size(0), (K / group) * kTile, "int4_dequantize");
+  check_scales(mins, qweight.size(0), (K / group) * kTile, "int4_dequantize");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int4_dequantize: fp32 or bf16 only");
   at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
   if (dtype == at::kFloat) {
-    int8_dequantize_impl<float>(qweight, scales, out);
+    int4_dequantize_impl<float>(qweight, scales, mins, N, group, out);
   } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "int8_dequantize: fp32 or bf16 only");
-    int8_dequantize_impl<BFloat16>(qweight, scales, out);
+    int4_dequantize_impl<BFloat16>(qweight, scales, mins, N, group, out);
+  }
+  return out;
+}
+
+at::Tensor int8_dequantize(const at::Tensor& qweight, const at::Tensor& scales, int64_t N, at::ScalarType dtype) {
+  const int64_t K = qweight.size(1) / kTile;
+  check_tiles(qweight, at::kChar, N, K, kTile, "int8_dequantize");
+  check_scales(scales, qweight.size(0), kTile, "int8_dequantize");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_dequantize: fp32 or bf16 only");
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    int8_dequantize_impl<float>(qweight, scales, N, out);
+  } else {
+    int8_dequantize_impl<BFloat16>(qweight, scales, N, out);
   }
   return out;
 }
@@ -342,10 +347,10 @@ at::Tensor int8_dequantize(const at::Tensor& qweight, const at::Tensor& scales, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
-  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor");
-  m.def("int8_matmul(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
-  m.def("int4_dequantize(Tensor qweight, Tensor scales, Tensor mins, int group, ScalarType dtype) -> Tensor");
-  m.def("int8_dequantize(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int n, int group) -> Tensor");
+  m.def("int8_matmul(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
+  m.def("int4_dequantize(Tensor qweight, Tensor scales, Tensor mins, int n, int group, ScalarType dtype) -> Tensor");
+  m.def("int8_dequantize(Tensor qweight, Tensor scales, int n, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {

@@ -6,14 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
-from kernels.quantized.cpu import (
-    DEQUANTIZE_FROM_ROWS,
-    cpu_matmul,
-    dequantize_native,
-    native_block_order,
-    pack_for_cpu,
-)
-from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8, unpack_int4
+from kernels.quantized.cpu import cpu_matmul, dequantize_native, native_tiles, pack_for_cpu
+from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from tests.required import unavailable
 
 # Relative to sum_k |x_k w_nk|, a bound on any summation order's rounding: fp32 accumulation, plus
@@ -35,7 +29,8 @@ def _weight(bits: int, n: int, k: int, group_size: int, seed: int) -> QuantizedW
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64), (4, 128)])
-@pytest.mark.parametrize("m", [1, 5, DEQUANTIZE_FROM_ROWS - 1, 32])  # row kernel (4-row passes + rest), dequantize + GEMM
+@pytest.mark.parametrize("m", [1, 5, 15, 32, 70])  # native: row kernel (4-row passes + rest) up to
+# DEQUANTIZE_FROM_ROWS (16 to 64 by dtype and bits), dequantize + GEMM from there
 def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dtype, bits: int,
                                                     group_size: int | None, m: int) -> None:
     n, k = (99 if kernel == "native" else 96), 256  # native: tiles of 8 and 4 weight rows, single-row tails
@@ -58,13 +53,17 @@ def test_one_hot_rows_read_the_layout_s_weights_back(kernel: str) -> None:
     torch.testing.assert_close(out.T, dequantize(weight), rtol=0, atol=1e-6)
 
 
-def test_native_block_order_pairs_code_j_with_code_j_plus_16() -> None:
-    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)  # two blocks of 32
-    packed = native_block_order(codes)
-    assert packed.shape == (1, 32)
-    assert packed[0, 0].item() == codes[0, 0].item() | (codes[0, 16].item() << 4)
-    assert packed[0, 17].item() == codes[0, 33].item() | (codes[0, 49].item() << 4)
-    assert torch.equal(unpack_int4(packed).view(1, 2, 16, 2).transpose(2, 3).reshape(1, 64), codes)
+def test_native_tiles_interleave_8_rows_and_pair_code_j_with_code_j_plus_16() -> None:
+    codes = torch.randint(0, 16, (10, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    tiles = native_tiles(codes, 4)
+    assert tiles.shape == (2, 4 * 64)  # 10 rows -> 2 tiles of 8 (6 zero rows); 2 blocks of 16 bytes a row
+    def byte(t: int, b: int, c: int, j: int) -> int:
+        return int(tiles[t].view(2, 8, 16)[b, c, j])
+    assert byte(0, 0, 3, 5) == codes[3, 5] | (codes[3, 21] << 4)
+    assert byte(1, 1, 1, 0) == codes[9, 32] | (codes[9, 48] << 4)
+    assert byte(1, 0, 2, 7) == 0  # row 10: padding
+    q8 = torch.randint(-127, 128, (9, 32), dtype=torch.int8)
+    assert int(native_tiles(q8, 8).view(2, 2, 8, 16)[1, 1, 0, 3]) == q8[8, 19]
 
 
 def test_int8_takes_one_group_per_row() -> None:
