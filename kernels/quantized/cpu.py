@@ -36,7 +36,7 @@ NATIVE_TILE = 8
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("auto", "native", "torch")
 DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
-    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 16, (torch.float32, 8): 64,
+    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 32, (torch.float32, 8): 64,
 }
 """(activation dtype, bits) -> from this many rows of x the native kernel dequantizes the weight once
 (into x's dtype) and runs one GEMM on it (`F.linear`): prefill chunks are compute-bound, where the
