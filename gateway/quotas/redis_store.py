@@ -77,7 +77,8 @@ class RedisQuotaStore:
 
     def __init__(
         self, redis_url: str, prefix: str = "tollway", *, lease_s: float = DEFAULT_LEASE_S, timeout_s: float = 1.0,
-        max_connections: int = 50, pool_timeout_s: float = 5.0, budget_source: BudgetSource | None = None,
+        connect_timeout_s: float = 3.5, max_connections: int = 50, pool_timeout_s: float = 5.0,
+        budget_source: BudgetSource | None = None,
     ) -> None:
         self.prefix = prefix
         self._lease_s = lease_s
@@ -87,11 +88,15 @@ class RedisQuotaStore:
         # The queue is `_slots` (FIFO, wakes one waiter per release), so the pool itself never has
         # waiters: its own wait (a condition lock and a timeout per caller) cost the gateway ~0.4 ms
         # of CPU per request with 256 clients (ops/bench/RESULTS.md).
+        # Connecting gets longer than a command: a burst opens up to `max_connections` sockets at
+        # once, and a SYN that a busy Redis's accept queue drops is resent by the kernel 1 s later
+        # and again 2 s after that; a 1 s connect timeout turned one dropped SYN into a failover
+        # (seen on CI). A Redis that is down refuses at once: the failover is no slower for it.
         self._slots = asyncio.Semaphore(max_connections)
         self._pool_timeout_s = pool_timeout_s
         pool = redis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=pool_timeout_s,
-            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+            socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0),
         )
         self.client = redis.Redis(connection_pool=pool)
         self._admit = self.client.register_script(ADMIT_LUA)
