@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 import torch
@@ -15,7 +17,8 @@ from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_
 from workers.models.loader import LoadedModel, load_model
 from workers.models.quantize import QuantizationError
 from workers.models.tokenizer import tokenizer_payload
-from workers.precision import resolve_device, resolve_dtype
+from workers.parallel.layers import TensorParallelError
+from workers.precision import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from workers.settings import WorkerSettings
 from workers.wire.sampling import SamplingParams
 from workers.wire.tokenizer import ChatTemplateError, TextTokenizer
@@ -48,6 +51,30 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
         raise click.ClickException(str(exc)) from exc
 
 
+@contextmanager
+def serving_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> Iterator[LoadedModel]:
+    """The model to build the engine on, for the duration of the block: loaded in-process
+    (`load_named_model`) with tensor parallel size 1; else this process's shard as rank 0 of
+    `settings.tensor_parallel_size` ranks, the followers stopped when the block ends."""
+    size = settings.tensor_parallel_size
+    if size == 1:
+        yield load_named_model(settings, model, dtype, console)
+        return
+    from workers.parallel.launch import start_tensor_parallel  # torch.distributed only when asked for
+
+    try:
+        device = resolve_device(settings.device)
+        with console.status(f"Starting {size} tensor parallel ranks of {model}…"):
+            folder = resolve_model_folder(model, settings.home, on_convert=lambda name: console.print(
+                f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"))
+            run = start_tensor_parallel(folder, resolve_dtype(dtype, device), device, size, settings.attention,
+                                        settings.num_threads, settings.quantization)
+    except (ModelNotFoundError, ModelFolderError, TensorParallelError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    with run:
+        yield run.loaded
+
+
 def engine_config(settings: WorkerSettings) -> EngineConfig:
     """The engine's configuration from the settings; a ClickException for a speculative mode this build
     cannot run (checked before any model loads)."""
@@ -57,8 +84,14 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         raise click.ClickException(str(exc)) from exc
     if settings.speculative_tokens < 1:
         raise click.ClickException("TOLLWAY_SPECULATIVE_TOKENS must be at least 1")
-    return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, max_batch_tokens=settings.max_batch_tokens,
-                        attention=settings.attention, scheduling=settings.scheduling,
+    try:  # the engine checks again with the loaded model's own dtype and device
+        device = resolve_device(settings.device)
+        resolve_kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(settings.dtype, device), device.split(":")[0])
+    except ValueError as exc:
+        raise click.ClickException(f"TOLLWAY_KV_CACHE_DTYPE: {exc}") from exc
+    return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, kv_cache_dtype=settings.kv_cache_dtype,
+                        max_batch_tokens=settings.max_batch_tokens,
+                        attention=settings.attention, compile=settings.compile, scheduling=settings.scheduling,
                         max_running_per_tenant=settings.max_running_per_tenant,
                         speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,
                         speculative_ngram=settings.speculative_ngram,
@@ -78,18 +111,19 @@ def run_generate(
     console: Console,
 ) -> str:
     """The completion text (special tokens skipped, surrounding whitespace stripped)."""
-    loaded = load_named_model(settings, model, dtype, console)
-    tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
-    try:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
-    except ChatTemplateError as exc:
-        raise click.ClickException(str(exc)) from exc
-    engine = Engine(loaded, engine_config(settings), name=model)
-    if len(prompt_ids) + max_tokens > engine.max_context:
-        raise click.UsageError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "
-            f"model's context of {engine.max_context} tokens"
-        )
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    [seq] = engine.generate_batch([prompt_ids], params)
-    return tokenizer.decode(seq.output_ids, skip_special_tokens=True).strip()
+    with serving_model(settings, model, dtype, console) as loaded:
+        tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
+        try:
+            prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
+                          else tokenizer.encode(prompt))
+        except ChatTemplateError as exc:
+            raise click.ClickException(str(exc)) from exc
+        engine = Engine(loaded, engine_config(settings), name=model)
+        if len(prompt_ids) + max_tokens > engine.max_context:
+            raise click.UsageError(
+                f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "
+                f"model's context of {engine.max_context} tokens"
+            )
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        [seq] = engine.generate_batch([prompt_ids], params)
+        return tokenizer.decode(seq.output_ids, skip_special_tokens=True).strip()

@@ -8,8 +8,12 @@ for a minute). Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a
 Before starting anything it migrates the database and loads (or creates, once) the admin key and
 the workers' shared secret (`$TOLLWAY_HOME/worker.secret`, mode 600, unless TOLLWAY_WORKER_SECRET
 is set), which it hands to its gateway and workers as TOLLWAY_WORKER_SECRET. It prints "tollway is
-up" with the URL only once the gateway's `/readyz` answers 200 (an engine worker is in rotation),
-and a progress line every `PROGRESS_EVERY_S` until then.
+up" with the URL only once the gateway's `/readyz` answers 200 (an engine worker is in rotation; with
+`--model`, one of every model), and a progress line every `PROGRESS_EVERY_S` until then.
+
+Several models (`tollway up --model A --model B`, ops/served_models.py): each gets `--workers` engine
+workers of its own; the gateway learns which worker serves which model from their `/internal/info`
+and routes every request among the workers of its model (gateway/upstream/pool.py).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+
+from ops.served_models import ServedModel, threads_per_worker, worker_layout
 
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
@@ -80,28 +88,38 @@ def _tollway(*args: str) -> list[str]:
 
 
 def plan_children(home: Path, port: int, num_workers: int, worker_port: int, worker_secret: str,
-                  quantization: str | None = None) -> list[Child]:
+                  quantization: str | None = None, models: Sequence[ServedModel] = ()) -> list[Child]:
     """The children of `tollway up`; the gateway and the workers share `worker_secret`. Workers inherit
     the environment (every TOLLWAY_* setting, TOLLWAY_QUANTIZATION among them); `quantization` (from
-    `tollway up --quantization`) overrides it."""
+    `tollway up --quantization`) overrides it. `num_workers` workers per model of `models` (ops/served_models.py),
+    or of the default model when `models` is empty; all of them share the cores equally."""
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // num_workers)
+    slots = worker_layout(models, num_workers, worker_port)
+    threads = threads_per_worker(len(slots), os.cpu_count() or 1)
     env = {**os.environ, "TOLLWAY_HOME": str(home)}
     secret = {"TOLLWAY_WORKER_SECRET": worker_secret}
     quantized = {"TOLLWAY_QUANTIZATION": quantization} if quantization is not None else {}
-    urls = ",".join(f"http://127.0.0.1:{worker_port + i}" for i in range(num_workers))
+    urls = ",".join(f"http://127.0.0.1:{slot.port}" for slot in slots)
     children = [
-        Child(f"worker-{i}", _tollway("worker", "--port", str(worker_port + i)),
+        Child(f"worker-{slot.index}", _tollway("worker", "--port", str(slot.port), *_model_args(slot.model)),
               {**env, **secret, **quantized, "TOLLWAY_NUM_THREADS": env.get("TOLLWAY_NUM_THREADS", str(threads))},
-              logs / f"worker-{i}.log")
-        for i in range(num_workers)
+              logs / f"worker-{slot.index}.log")
+        for slot in slots
     ]
     children.append(Child("gateway", _tollway("gateway", "--port", str(port)),
                           {**env, **secret, "TOLLWAY_WORKER_URLS": urls}, logs / "gateway.log"))
     children.append(Child("batch-worker", batch_worker_argv(home, port),
                           {**env, "TOLLWAY_GATEWAY_URL": f"http://127.0.0.1:{port}"}, logs / "batch-worker.log"))
     return children
+
+
+def _model_args(model: ServedModel | None) -> list[str]:
+    """A worker's model flags: none for the default model (the worker reads TOLLWAY_MODEL itself)."""
+    if model is None:
+        return []
+    served = ["--served-name", model.name] if model.name != model.source else []
+    return ["--model", model.source, *served]
 
 
 def batch_worker_argv(home: Path, port: int) -> list[str]:
@@ -121,7 +139,9 @@ def readiness(url: str) -> tuple[bool, str]:
     except urllib.error.HTTPError as exc:  # 503: the gateway runs, no worker is in rotation yet
         try:
             body = json.loads(exc.read())
-            return False, f"{body['workers_healthy']} of {body['workers_total']} engine workers in rotation"
+            state = f"{body['workers_healthy']} of {body['workers_total']} engine workers in rotation"
+            missing = body.get("models_missing")
+            return False, state + (f"; no worker of {', '.join(missing)} yet" if missing else "")
         except (ValueError, KeyError, TypeError):
             return False, f"the gateway answers {exc.code}"
     except (urllib.error.URLError, OSError):
@@ -204,7 +224,15 @@ class Supervisor:
         return 0
 
 
-def run_up(port: int, num_workers: int, worker_port: int, console: Console, quantization: str | None = None) -> int:
+def ready_url(port: int, models: Sequence[ServedModel] = ()) -> str:
+    """The gateway's `/readyz`, asking also for a worker of every served model when they were named
+    (`tollway up --model`): "up" means every model answers, not only the first to load."""
+    query = urllib.parse.urlencode([("model", model.name) for model in models])
+    return f"http://127.0.0.1:{port}/readyz" + (f"?{query}" if query else "")
+
+
+def run_up(port: int, num_workers: int, worker_port: int, console: Console, quantization: str | None = None,
+           models: Sequence[ServedModel] = ()) -> int:
     """Prepare the state folder (database schema, admin key), then supervise until stopped."""
     from accounting.db import upgrade_database
     from accounting.settings import AccountingSettings
@@ -217,8 +245,11 @@ def run_up(port: int, num_workers: int, worker_port: int, console: Console, quan
     _, key_path = load_or_create_admin_key(settings.admin_key, home)
     worker_secret, _ = load_or_create_worker_secret(settings.worker_secret, home)
     where = f"in {key_path}" if key_path else "from TOLLWAY_ADMIN_KEY"
+    served = (f"models {', '.join(m.name for m in models)}, {num_workers} engine worker(s) each"
+              if models else f"{num_workers} engine worker(s)")
     ready = (f"[green]tollway is up[/]: http://127.0.0.1:{port}/v1 (OpenAI-compatible), "
-             f"{num_workers} engine worker(s), a batch worker; admin key {where}; logs in {home / 'logs'}. "
+             f"{served}, a batch worker; admin key {where}; logs in {home / 'logs'}. "
              f"Ctrl-C stops.")
-    supervisor = Supervisor(plan_children(home, port, num_workers, worker_port, worker_secret, quantization), console)
-    return supervisor.run(f"http://127.0.0.1:{port}/readyz", ready, home / "logs")
+    children = plan_children(home, port, num_workers, worker_port, worker_secret, quantization, models)
+    supervisor = Supervisor(children, console)
+    return supervisor.run(ready_url(port, models), ready, home / "logs")

@@ -5,27 +5,39 @@ from __future__ import annotations
 from aiohttp import web
 from rich.console import Console
 
-from ops.offline import engine_config, load_named_model
+from ops.offline import engine_config, serving_model
 from ops.startup_heap import frozen_startup_heap
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 from workers.settings import WorkerSettings
 from workers.tracing import worker_tracing
 from workers.wire.files import load_or_create_worker_secret
 
 
-def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console) -> None:
+def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, port: int, console: Console,
+               served_name: str | None = None) -> None:
+    """Serve `model` (a name or path) as `served_name` (default: `model` as given), the model id the
+    worker's /internal/info reports and gateways route by."""
     secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
     config = engine_config(settings)  # refuses unusable settings before the model loads
-    loaded = load_named_model(settings, model, dtype, console)
+    with serving_model(settings, model, dtype, console) as loaded:
+        serve(settings, loaded, config, secret, name=served_name or model, host=host, port=port, console=console)
+
+
+def serve(settings: WorkerSettings, loaded: LoadedModel, config: EngineConfig, secret: str, *, name: str, host: str,
+          port: int, console: Console) -> None:
+    """Serve `loaded` (this process's model, or rank 0's shard of a tensor parallel one) as model id `name`
+    until stopped."""
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
-    core = Engine(loaded, config, name=model, tracer=tracing.tracer if tracing is not None else None)
+    core = Engine(loaded, config, name=name, tracer=tracing.tracer if tracing is not None else None)
     core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
     engine = AsyncEngine(core)
     info = engine.info()
     quantized = "" if loaded.quantization == "none" else f", {loaded.quantization} weights"
-    console.print(f"worker: {model} ({info['dtype']}{quantized} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
+    console.print(f"worker: {name} ({info['dtype']}{quantized} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
                   f"of {info['block_size']} tokens, on http://{host}:{port}")
     try:
         # Billed requests' usage not yet acknowledged by a gateway survives a restart of this worker.

@@ -28,8 +28,15 @@ class WorkerSettings(TracingSettings):
     (int4) or Q8_0 (int8) blocks where the model came from one (workers/models/quantize.py)."""
     device: str = "auto"
     """Where the model runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda[:N]."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Ranks the model is split across (workers/parallel/): 1 runs in-process; n > 1 starts n - 1 follower
+    processes (gloo on CPU, NCCL on CUDA). Llama / Mistral / Qwen2 only, unquantized; heads must divide."""
     num_threads: int = 0
     """Torch CPU threads; 0 uses every core."""
+    kv_cache_dtype: Literal["model", "float16", "bfloat16"] = "model"
+    """What the KV cache stores: model (the model's dtype), or float16 / bfloat16 under an fp32 model on a CPU:
+    half the bytes every decode step reads and twice the tokens per MiB, K/V rounded as they are stored
+    (llama.cpp keeps f16 K/V by default). workers/precision.py `resolve_kv_cache_dtype`."""
     kv_cache_mb: int = 2048
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int = 1024
@@ -44,6 +51,9 @@ class WorkerSettings(TracingSettings):
     """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
     (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with
     TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""
+    compile: Literal["off", "decode"] = "off"
+    """decode: the CPU decode step torch.compiled (inductor) per batch bucket, padded to it (cpu and native
+    backends, plain Llama layers; workers/engine/compiled_decode.py); each bucket compiles on first use."""
     speculative: Literal["off", "ngram", "draft"] = "off"
     """Speculative decoding (workers/engine/speculative.py): off, ngram (prompt lookup: drafts copied from the
     request's own context, verified in the batched step; outputs exactly as without), draft (a second, smaller
@@ -54,7 +64,7 @@ class WorkerSettings(TracingSettings):
     """The ngram drafter's longest match (n); it falls back to shorter ones down to 1."""
     speculative_max_batch: int = 16
     """Nobody drafts while more sequences than this decode (the step is compute-bound there; on a 2-core CPU
-    speculation already lost at 4 streams: ops/bench/RESULTS.md, issue 23)."""
+    with fused verification speculation still won at 4 streams: ops/bench/RESULTS.md, issue 23)."""
     worker_secret: str | None = None
     """The credential every /internal/* call must present (bearer); unset = `$TOLLWAY_HOME/worker.secret`,
     created there if absent (workers/wire/files.py). Give gateways and workers on other hosts the same."""

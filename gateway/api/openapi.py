@@ -69,7 +69,13 @@ def _operation(path: str, method: str, handler: Any) -> dict[str, Any]:
                                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
     }
     if path == "/readyz":
-        operation["responses"]["503"] = {"description": "not ready: no engine worker is in rotation"}
+        operation["responses"]["503"] = {"description": "not ready: no engine worker is in rotation (or none of a "
+                                                        "model named by `model`; the body lists it in "
+                                                        "`models_missing`)"}
+        operation["parameters"] = [{"name": "model", "in": "query", "required": False,
+                                    "description": "also wait for a worker of this model (repeatable; an empty "
+                                                   "name is a 400)",
+                                    "schema": {"type": "string"}}]
     if path.startswith(("/v1/", "/admin/")):
         operation["security"] = [{"bearer": []}]
     if method == "POST" and path in REQUEST_BODIES:

@@ -14,14 +14,15 @@
 | /healthz, /readyz, /openapi.json | anyone   | here                                         |
 
 `/healthz` is liveness (the process answers; 200 whatever the workers do), `/readyz` readiness
-(200 once at least one engine worker is in rotation, 503 before and whenever none is): what a
-load balancer or `tollway up` waits for.
+(200 once at least one engine worker is in rotation, 503 before and whenever none is; `?model=NAME`
+also waits for a worker of that model): what a load balancer or `tollway up` waits for.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.api.errors import invalid
 from gateway.api.openapi import build_openapi
 from gateway.auth import admin_api
 from gateway.batches import api as batches_api
@@ -43,11 +44,22 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 once at least one engine worker is in rotation, else 503 `not_ready`."""
+    """Readiness: 200 once at least one engine worker is in rotation, else 503 `not_ready`. With
+    `?model=NAME` (repeatable), also one worker of each named model (what `tollway up --model` waits
+    for); the 503 then lists the missing ones in `models_missing`."""
     counts = _worker_counts(request)
     if counts["workers_healthy"] == 0:
         return web.json_response({"status": "not_ready", "reason": "no engine worker is in rotation yet",
                                   **counts}, status=503, headers={"Retry-After": "1"})
+    asked = request.query.getall("model", [])
+    if any(not name.strip() for name in asked):
+        raise invalid("model must name a model (an empty name never becomes ready)", param="model")
+    serving = {w.model for w in request.app[POOL].workers.values() if w.healthy}
+    missing = sorted(set(asked) - serving)
+    if missing:
+        return web.json_response({"status": "not_ready", "reason": "a model asked for has no engine worker in "
+                                  "rotation yet", "models_missing": missing, **counts},
+                                 status=503, headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", **counts})
 
 

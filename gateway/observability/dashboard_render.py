@@ -3,7 +3,7 @@
 `page()` is the whole document; `panel()` the live part, which the page's script fetches again
 every `REFRESH_MS` and swaps in (so the server renders everything, once, in one place). Stable DOM
 for tests and scripts: `#tile-<name> .value` per headline number, `tr.worker` per worker,
-`tr.tenant` per tenant and model, `section.trace` per trace with one `div.span-row` per span
+`tr.speculative` per worker that speculates (`data-url`), `tr.tenant` per tenant and model, `section.trace` per trace with one `div.span-row` per span
 (`data-name`, `data-service`), and `body[data-refreshed]` counting the script's refreshes.
 """
 
@@ -129,6 +129,27 @@ def _workers(workers: list[dict[str, Any]]) -> str:
     return f'<table id="workers">{head}{"".join(rows)}</table>'
 
 
+def _speculative(workers: list[dict[str, Any]]) -> str:
+    """Speculative decoding per worker that runs it (the `speculative` of its /internal/info, since start)."""
+    rows = []
+    for w in workers:
+        spec = (w.get("info") or {}).get("speculative") or {}
+        if spec.get("mode", "off") == "off":
+            continue
+        drafted = spec.get("drafted_tokens", 0)
+        rate = spec.get("acceptance_rate") if drafted else None
+        rows.append(
+            f'<tr class="speculative" data-url="{escape(w["url"])}"><td>{escape(w["url"])}</td>'
+            f'<td>{escape(str(spec["mode"]))}</td><td>{drafted:,}</td><td>{spec.get("accepted_tokens", 0):,}</td>'
+            f'<td class="acceptance">{_number(rate and rate * 100, 1, " %")}</td>'
+            f'<td class="mean-length">{_number(spec.get("mean_accepted_length") if drafted else None, 2)}</td></tr>')
+    if not rows:
+        return '<p class="muted" id="speculative-off">No worker speculates (<code>TOLLWAY_SPECULATIVE</code>).</p>'
+    head = ("<tr><th>worker</th><th>drafter</th><th>drafted tokens</th><th>accepted</th><th>acceptance</th>"
+            "<th>mean accepted length</th></tr>")
+    return f'<table id="speculative">{head}{"".join(rows)}</table>'
+
+
 def _scheduling(workers: list[dict[str, Any]]) -> str:
     """Each worker's tenants as its fair scheduler sees them (workers/engine/fairness.py), furthest behind first."""
     rows = []
@@ -210,6 +231,7 @@ def _traces(data: DashboardData) -> str:
 
 def panel(data: DashboardData) -> str:
     return (f"<h2>This gateway, live</h2>{_tiles(data)}<h2>Workers</h2>{_workers(data.workers)}"
+            f"<h2>Speculative decoding (since each worker started)</h2>{_speculative(data.workers)}"
             f"<h2>Tenants on the workers (fair scheduling)</h2>{_scheduling(data.workers)}"
             f"<h2>Usage this month ({escape(data.month)}, every tenant)</h2>{_tenants(data.month, data.tenants)}"
             f"<h2>Recent traces</h2>{_traces(data)}")

@@ -4,11 +4,17 @@ in bf16 (only where the CPU computes bf16 natively) and fp32, in one run.
 
 One engine per dtype prefills `--batch` unrelated prompts of `--context` tokens, then runs
 `--steps` decode steps on the `cpu` backend, switches the same engine (same sequences, same KV) to
-`native` (packing its linears) and runs `--steps` more. After each step the step's matmuls alone
+`native` (packing its linears) and runs `--steps` more. The fp32 model runs once per KV cache dtype
+of `--kv-cache-dtypes` (`TOLLWAY_KV_CACHE_DTYPE`: model, float16, bfloat16). After each step the step's matmuls alone
 (every layer's four projections and the LM head on [batch, ·] inputs, through the same modules the
 step used) are timed once, so each ratio compares two medians taken under the same load.
 
-    .venv/bin/python ops/bench/decode_step.py [--batch 32 --context 380 --steps 12]
+With `--compile`, the torch.compile'd step (workers/engine/compiled_decode.py, inductor) runs after
+each backend's eager one, on the same engine: `cpu+compile` (the torch step, attention over the
+gathered blocks of fixed-width tables) and `native+compile` (the fused native step traced whole, the
+C++ ops opaque to inductor); their first step compiles the batch's bucket, whose time is printed.
+
+    .venv/bin/python ops/bench/decode_step.py [--batch 32 --context 380 --steps 12] [--compile]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import native
+from workers.engine.compiled_decode import CompiledDecode
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models.assets import resolve_model_folder
@@ -71,29 +78,61 @@ def measure(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
     return statistics.median(step_times), statistics.median(matmul_times)
 
 
-def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int) -> None:
+def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, kv_cache_dtype: str,
+        compile_step: bool, warm_buckets: list[int]) -> None:
     loaded = load_model(folder, dtype)
     engine = Engine(loaded, EngineConfig(max_batch_tokens=batch * (context + 1), kv_budget_bytes=2 * 2**30,
-                                         attention="cpu"))
+                                         attention="cpu", kv_cache_dtype=kv_cache_dtype,
+                                         compile="decode" if compile_step else "off"))
+    compiled = engine.runner.graphs  # the compiled step (cpu backend) when asked for: off until measured
+    engine.runner.graphs = None
     rng = random.Random(11)
-    params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5 * steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{i}", [rng.randrange(100, 40000) for _ in range(context)], params)
     while any(s.is_prefilling or s.output_len == 0 for s in engine.sequences.values()):
         engine.step()
     engine.step()  # warm-up
     name = str(dtype).removeprefix("torch.")
+    cache = str(engine.runner.kv.keys[0].dtype).removeprefix("torch.")
     results = {"cpu": measure(engine, batch, steps)}
+    compile_times: dict[str, dict[tuple[int, int], float]] = {}
+    if isinstance(compiled, CompiledDecode):
+        results["cpu+compile"] = measure_compiled(engine, compiled, batch, steps, warm_buckets)
+        compile_times["cpu+compile"] = compiled.compile_seconds
     if native.load():
         pack_linears(loaded.model)
         engine.runner.backend = "native"
         engine.step()  # warm-up
         results["native"] = measure(engine, batch, steps)
+        if isinstance(compiled, CompiledDecode):
+            native_compiled = CompiledDecode(loaded.model, engine.runner.kv, compiled.dummy_block, "native")
+            results["native+compile"] = measure_compiled(engine, native_compiled, batch, steps, warm_buckets)
+            compile_times["native+compile"] = native_compiled.compile_seconds
     else:
         print(f"native unavailable: {native.unavailable_reason()}")
     for backend, (step, matmuls) in results.items():
-        print(f"{name:9} {backend:7} step {step * 1e3:7.1f} ms   matmuls alone {matmuls * 1e3:6.1f} ms   "
+        print(f"{name:9} kv {cache:9} {backend:14} step {step * 1e3:7.1f} ms   matmuls alone {matmuls * 1e3:6.1f} ms   "
               f"ratio {step / matmuls:4.2f}x", flush=True)
+    for backend, times in compile_times.items():
+        described = ", ".join(f"batch {b} / context {c}: {t:.1f} s" for (b, c), t in sorted(times.items()))
+        print(f"{name:9} {backend:14} compile (first call of each bucket): {described}", flush=True)
+
+
+def measure_compiled(engine: Engine, compiled: CompiledDecode, batch: int, steps: int,
+                     warm_buckets: list[int]) -> tuple[float, float]:
+    """The step with `compiled` on: its first step compiles the batch's bucket (timed in
+    compile_seconds), then `measure`; the other `warm_buckets` are compiled after, for their times."""
+    engine.runner.graphs = compiled
+    engine.step()  # compiles (batch bucket, context bucket)
+    if compiled.failed is not None:
+        raise RuntimeError(f"the compiled step failed: {compiled.failed}")
+    result = measure(engine, batch, steps)
+    engine.runner.graphs = None
+    context = max(s.total_len for s in engine.sequences.values())
+    for bucket in warm_buckets:
+        compiled.warm_up(bucket, context)
+    return result
 
 
 def main() -> None:
@@ -103,14 +142,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=380)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--kv-cache-dtypes", default="model,float16",
+                        help="TOLLWAY_KV_CACHE_DTYPE values to run the fp32 model with (comma-separated)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also the torch.compile'd step (TOLLWAY_COMPILE=decode) on both backends")
+    parser.add_argument("--warm-buckets", default="",
+                        help="with --compile: more batch buckets to compile, for their compile times (e.g. 8,64)")
     args = parser.parse_args()
+    warm_buckets = [int(b) for b in args.warm_buckets.split(",") if b]
     torch.set_num_threads(os.cpu_count() or 1)
     folder = resolve_model_folder(args.model, args.home)
     print(f"decode step at batch {args.batch}, ~{args.context}-token contexts, {torch.get_num_threads()} threads; "
           f"CPU flags: {cpu_flags()}; torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")
     dtypes = [torch.bfloat16] if cpu_has_native_bf16() else []
-    for dtype in [*dtypes, torch.float32]:
-        run(folder, dtype, args.batch, args.context, args.steps)
+    for dtype in dtypes:
+        run(folder, dtype, args.batch, args.context, args.steps, "model", args.compile, warm_buckets)
+    for kv_cache_dtype in args.kv_cache_dtypes.split(","):
+        run(folder, torch.float32, args.batch, args.context, args.steps, kv_cache_dtype, args.compile, warm_buckets)
 
 
 if __name__ == "__main__":

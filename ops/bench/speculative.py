@@ -7,7 +7,9 @@ Workloads, each run off then on in the same process (after one warm-up run each)
 - shared prefix (ops/bench/engine_gsp.py `workload`): G groups x P prompts of random tokens sharing
   a system prompt; nothing to copy, so it shows what speculation costs when drafts miss.
 Printed per workload and mode: output tok/s, speed-up, acceptance rate (accepted / drafted), mean
-accepted length (accepted per verification), and whether the greedy tokens were identical.
+accepted length (accepted per verification), how many steps verified drafts on the fused native
+decode step (as one-token rows, workers/engine/decode_rows.py) and how many steps the run took, and
+whether the greedy tokens were identical.
 
     .venv/bin/python ops/bench/speculative.py [--home .tollway] [--device auto|cpu|cuda] [--tokens 4] [--output 128]
 """
@@ -51,12 +53,22 @@ def run(loaded: LoadedModel, prompts: list[list[int]], output: int, mode: str, t
     engine = Engine(loaded, EngineConfig(max_batch_tokens=1024, speculative=mode,  # type: ignore[arg-type]
                                          speculative_tokens=tokens))
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    steps = 0
+    step = engine.step
+
+    def counted() -> list:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted  # type: ignore[method-assign]
     start = time.perf_counter()
     seqs = engine.generate_batch(prompts, params)
     seconds = time.perf_counter() - start
     engine.check_integrity()
     assert engine.all_blocks_free_or_evictable()
-    return sum(s.output_len for s in seqs) / seconds, [s.output_ids for s in seqs], engine.spec_stats.as_dict()
+    stats = {**engine.spec_stats.as_dict(), "fused_steps": engine.runner.fused_verifications, "steps": steps}
+    return sum(s.output_len for s in seqs) / seconds, [s.output_ids for s in seqs], stats
 
 
 def main() -> None:
@@ -82,14 +94,15 @@ def main() -> None:
     print(f"model {folder.name}  {loaded.model.dtype} on {device}  k={args.tokens}  torch threads "
           f"{torch.get_num_threads()}")
     print(f"{'workload':28} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>9} {'accept':>7} {'mean len':>9}"
-          f" identical")
+          f" {'fused/steps':>12} identical")
     for name, (prompts, output) in workloads.items():
         for mode in ("off", "ngram"):  # warm-up
             run(loaded, prompts[:1], 8, mode, args.tokens)
         off_rate, off_ids, _ = run(loaded, prompts, output, "off", args.tokens)
         on_rate, on_ids, stats = run(loaded, prompts, output, "ngram", args.tokens)
         print(f"{name:28} {off_rate:10.1f} {on_rate:10.1f} {on_rate / off_rate:8.2f}x "
-              f"{stats['acceptance_rate']:7.1%} {stats['mean_accepted_length']:9.2f} {on_ids == off_ids}")
+              f"{stats['acceptance_rate']:7.1%} {stats['mean_accepted_length']:9.2f} "
+              f"{stats['fused_steps']:>5}/{stats['steps']:<6} {on_ids == off_ids}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from ops.bench.stack_workload import HEADER, Messages, Run, chat_workload, run_e
 from workers.models.assets import BUILTIN_MODELS, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
 from workers.models.tokenizer import tokenizer_payload
-from workers.precision import resolve_dtype
+from workers.precision import cpu_has_native_bf16, resolve_dtype
 from workers.wire.tokenizer import TextTokenizer
 
 STACK, OFFLINE, OFFLINE_ALL, LLAMA, HF32, HF16 = ("tollway stack", "tollway engine offline",
@@ -100,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="repetitions (fresh prompts each); best kept")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--transformers-bf16", choices=("auto", "on", "off"), default="auto",
+                        help="run transformers in bf16 too (auto: where the CPU computes bf16 natively)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: " + str(QUICK))
     args = parser.parse_args()
     if args.quick:
@@ -174,9 +176,13 @@ def main() -> None:
     dtype = resolve_dtype("auto", "cpu")
     ours = load_model(folder, dtype, "cpu")
     auto = cast(Any, AutoModelForCausalLM)  # transformers' decorator hides from_pretrained's signature
+    hf_dtypes = [(HF32, torch.float32)]
+    if args.transformers_bf16 == "on" or (args.transformers_bf16 == "auto" and cpu_has_native_bf16()):
+        hf_dtypes.append((HF16, torch.bfloat16))
+    else:  # bf16 is emulated there (5x slower than fp32 measured on an AVX2 host): never the best anchor
+        print(f"{HF16}: skipped (--transformers-bf16 {args.transformers_bf16}; this CPU has no native bf16)")
     hf = {} if args.skip_transformers else {
-        name: auto.from_pretrained(folder, dtype=dt).eval()
-        for name, dt in ((HF32, torch.float32), (HF16, torch.bfloat16))}
+        name: auto.from_pretrained(folder, dtype=dt).eval() for name, dt in hf_dtypes}
     print(f"engine offline dtype {str(dtype).removeprefix('torch.')} (auto); the stack's worker uses the same "
           f"default; torch threads {torch.get_num_threads()}", flush=True)
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,20 +76,23 @@ class Tollway:
         return self.process.wait(timeout=60)
 
 
-def start_tollway(home: Path, model_home: Path, num_workers: int = 1, **env: str) -> Tollway:
-    """`tollway up` on a fresh home that shares the converted models of the test model home."""
+def start_tollway(home: Path, model_home: Path, num_workers: int = 1, models: Sequence[str] = (),
+                  **env: str) -> Tollway:
+    """`tollway up` on a fresh home that shares the converted models of the test model home; `models`:
+    its `--model` values (`num_workers` workers each), none = the default model."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "models").symlink_to((model_home / "models").resolve(), target_is_directory=True)
     port, worker_port = free_port(), free_port()
+    total = num_workers * max(1, len(models))
     process = subprocess.Popen(
         [tollway_executable(), "up", "--port", str(port), "--workers", str(num_workers),
-         "--worker-port", str(worker_port)],
+         "--worker-port", str(worker_port), *(arg for model in models for arg in ("--model", model))],
         env={**os.environ, "TOLLWAY_HOME": str(home), "TOLLWAY_KV_CACHE_MB": "512", **env},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    tollway = Tollway(process, home, port, worker_port, num_workers)
+    tollway = Tollway(process, home, port, worker_port, total)
     try:
-        tollway.wait_healthy(num_workers)
+        tollway.wait_healthy(total)
     except BaseException:
         tollway.stop()
         raise

@@ -1,11 +1,17 @@
 """Speculative decoding on the default model (issue 23): fp32 greedy tokens with the ngram drafter
 equal those without it, in four scheduling regimes (batched, prefix hits, chunked prefill,
-preemption); drafts are accepted and rejected along the way; no block leaks afterwards."""
+preemption), verification running on the fused native decode step where the native ops exist;
+drafts are accepted and rejected along the way; no block leaks afterwards. A verification step as
+fused decode rows gives the eager extend step's logits and K/V (fp32, within summation order)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kernels.cpu import native
+from tests.required import unavailable
+from tests.verification_steps import verification_both_ways
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
@@ -51,7 +57,22 @@ def test_greedy_tokens_identical_with_ngram_speculation(fp32, prompts, expected,
         assert engine.all_blocks_free_or_evictable()
     stats = engine.spec_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
+    assert engine.runner.fused_verifications > 0 or not native.load()  # `auto` attention is native where it loads
     if regime == "prefix-hits":
         assert engine.cache.stats().namespaces["default"]["hit_tokens"] > 0
     if regime == "preempting":
         assert engine.scheduler.preemptions > 0
+
+
+def test_fused_verification_step_equals_the_eager_extend_step(fp32, prompts) -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    # a plain decode, a draft copied from the prompt, a 1-token draft, a long draft crossing blocks
+    drafts = [[], prompts[1][-40:-36], prompts[2][20:21], prompts[3][5:12]]
+    extend, rows = verification_both_ways(fp32.model, prompts, drafts, block_size=16)
+    assert rows.fused and not extend.fused
+    assert rows.logits.shape[0] == len(prompts) + sum(len(d) for d in drafts)
+    torch.testing.assert_close(rows.logits, extend.logits, atol=5e-4, rtol=1e-5)  # measured: 6e-5 of |logits| <= 40
+    assert torch.equal(rows.logits.argmax(-1), extend.logits.argmax(-1))
+    for a, b in zip([*rows.kv.keys, *rows.kv.values], [*extend.kv.keys, *extend.kv.values], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -6,10 +6,13 @@ start; the worker and the CLI build them from the worker's settings (`engine_con
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kernels.dispatch import AttentionChoice
 from workers.engine.admission import Policy
 from workers.engine.drafter import SpeculativeMode
+
+CompileMode = Literal["off", "decode"]
 
 
 @dataclass(frozen=True)
@@ -17,12 +20,14 @@ class EngineConfig:
     block_size: int = 8  # 16 left up to 12% of allocated slots empty at peak when decodes cross blocks together
     num_blocks: int | None = None  # None: sized from kv_budget_bytes
     kv_budget_bytes: int = 2 * 2**30
+    kv_cache_dtype: str = "model"  # the cache's dtype: model, float16, bfloat16 (workers/precision.py)
     max_batch_tokens: int = 1024
     max_running: int = 64
     max_running_per_tenant: int = 0  # 0: no cap on one tenant's running sequences (admission.py)
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
+    compile: CompileMode = "off"  # decode: the CPU decode step torch.compiled per batch bucket (compiled_decode.py)
     cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
     scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
     speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)

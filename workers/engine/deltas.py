@@ -26,6 +26,9 @@ class Delta:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     index: int = 0
+    # beside usage, when the engine speculates: the request's drafted_tokens and accepted_tokens over
+    # all its choices (for the worker's request span; not part of the wire protocol)
+    speculative: dict[str, int] | None = None
 
 
 @dataclass
@@ -35,10 +38,14 @@ class OpenRequest:
     parent: Sequence
     open_choices: int  # not yet finished, counting choices not yet forked
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding, over the closed choices
+    accepted_tokens: int = 0
 
     def close_choice(self, seq: Sequence) -> dict[str, int] | None:
         """Count one finished choice; once the request's last open choice closed, its usage."""
         self.completion_tokens += seq.output_len
+        self.drafted_tokens += seq.spec_drafted
+        self.accepted_tokens += seq.spec_accepted
         self.open_choices -= 1 + seq.pending_forks  # choices never forked close with their parent
         seq.pending_forks = 0
         if self.open_choices:
@@ -46,6 +53,10 @@ class OpenRequest:
         parent = self.parent
         return {"prompt_tokens": parent.prompt_len, "cached_tokens": parent.prompt_cached_len,
                 "completion_tokens": self.completion_tokens}
+
+    def speculative(self) -> dict[str, int]:
+        """Draft tokens verified and accepted over the request's closed choices."""
+        return {"drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
 
 
 def attach_prompt_logprobs(seq: Sequence, delta: Delta) -> None:

@@ -24,6 +24,7 @@ from cache.manager import KVCacheManager
 from kernels.dispatch import select_backend
 from workers.engine import grammar, speculative
 from workers.engine.batch import StepUpdate
+from workers.engine.compiled_decode import CompiledDecode, compile_wanted
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
@@ -32,11 +33,12 @@ from workers.engine.drafter import make_drafter
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import BucketedDecode, ModelRunner
 from workers.engine.sampler import SampleResult, sample
 from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel
 from workers.models.packed_linear import pack_linears
+from workers.precision import resolve_kv_cache_dtype
 from workers.wire.sampling import SamplingParams
 
 
@@ -48,19 +50,26 @@ class Engine:
         self.name = name or loaded.folder.name
         model = loaded.model
         c = model.config
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, model.device.type)
         num_blocks = config.num_blocks or max(
             1, config.kv_budget_bytes // KVStorage.bytes_per_block(
-                c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, model.dtype))
+                c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype))
         self.cache = KVCacheManager(num_blocks, config.block_size)
         backend = select_backend(model.device, config.attention)
         if backend == "native":  # the native decode step's matmuls run on prepacked weights
             pack_linears(model)
         # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
         graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
-        # With CUDA graphs the storage holds one block more than the pool hands out: the padding rows'.
-        kv = model.allocate_kv(num_blocks + graphs, config.block_size)
-        self.runner = ModelRunner(model, kv, backend,
-                                  DecodeGraphs(model, kv, num_blocks, backend) if graphs else None)
+        compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
+        # With CUDA graphs or a compiled step the storage holds one more block than the pool hands out:
+        # the padding rows'.
+        kv = model.allocate_kv(num_blocks + (graphs or compiled), config.block_size, kv_dtype)
+        bucketed: BucketedDecode | None = None
+        if graphs:
+            bucketed = DecodeGraphs(model, kv, num_blocks, backend)
+        elif compiled:
+            bucketed = CompiledDecode(model, kv, num_blocks, backend)
+        self.runner = ModelRunner(model, kv, backend, bucketed)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
                                    config.scheduling, config.max_running_per_tenant)
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
@@ -248,8 +257,11 @@ class Engine:
         if self._phases is not None:
             self._phases.finish(seq, time.time_ns(), delta.finish_reason)
         self.finished_counts[delta.finish_reason] = self.finished_counts.get(delta.finish_reason, 0) + 1
-        delta.usage = self._requests[seq.request_id].close_choice(seq)
+        request = self._requests[seq.request_id]
+        delta.usage = request.close_choice(seq)
         if delta.usage is not None:
+            if self.drafter is not None:
+                delta.speculative = request.speculative()
             del self._requests[seq.request_id], self.sequences[seq.request_id]
         return delta
 

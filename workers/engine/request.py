@@ -90,6 +90,8 @@ class Sequence:
     spec_rate: float = 1.0  # moving average of the share of drafted tokens accepted
     spec_cooldown: int = 0  # steps left without drafting
     spec_backoff: int = 0  # the last cool-down (doubles while acceptance stays low)
+    spec_drafted: int = 0  # draft tokens this choice verified (kept across preemptions; its request's span)
+    spec_accepted: int = 0  # of them, accepted
 
     @property
     def prompt_len(self) -> int:

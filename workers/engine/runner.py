@@ -4,22 +4,35 @@ logprobs of the prefill chunks that ask for them (workers/engine/prompt_logprobs
 
 The step's block tables come from persistent rows (`table_rows.BlockTableRows`) updated only where a
 table changed; positions and slots are tensor ops over them (`PagedAttentionMetadata.from_tables`):
-the Python work per step is O(batch)."""
+the Python work per step is O(batch).
+
+A step that verifies speculative drafts while every sequence decodes runs as one-token rows
+(workers/engine/decode_rows.py) when the model's fused decode step takes them: verifying k drafted
+tokens then costs a decode step over k + 1 rows, not an eager extend step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
-from workers.engine import prompt_logprobs
+from workers.engine import decode_rows, prompt_logprobs
 from workers.engine.batch import ScheduledBatch
-from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.prompt_logprobs import PromptLogprobs
 from workers.engine.table_rows import BlockTableRows
+from workers.models import fused_decode
 from workers.models.llama import LlamaForCausalLM
+
+
+class BucketedDecode(Protocol):
+    """Decode steps run by batch bucket: captured CUDA graphs (cuda_graphs.py) or a compiled step
+    (compiled_decode.py). run -> the logits of `logit_rows`, or None: run this step eagerly."""
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
+            logit_rows: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -30,11 +43,12 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVStorage, backend: Backend | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: BucketedDecode | None = None) -> None:
         self.model, self.kv = model, kv
         self.backend = backend  # the attention backend of every step; None: by device
         self.table_rows = BlockTableRows(model.device)
-        self.graphs = graphs  # captured decode steps (CUDA only); None: every step eager
+        self.graphs = graphs  # decode steps by batch bucket (CUDA graphs or compiled); None: every step eager
+        self.fused_verifications = 0  # steps that verified drafts as fused decode rows (tests, benches)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
@@ -55,12 +69,15 @@ class ModelRunner:
             if samples:
                 sampling_rows.append(row)
         device = self.model.device
-        meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, self.table_rows.gather(tables),
-                                                  self.kv.block_size, backend=self.backend)
-        last_token = (meta.query_start[1:] - 1).long()
-        if batch.has_drafts:
+        block_tables = self.table_rows.gather(tables)
+        meta = self._decode_rows(batch, block_tables) if batch.has_drafts else None
+        if meta is None:
+            meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, block_tables,
+                                                      self.kv.block_size, backend=self.backend)
+        if batch.has_drafts:  # the flat token order is the same with or without decode rows
             wanted = _draft_rows(batch, sampling_rows, device)
         else:
+            last_token = (meta.query_start[1:] - 1).long()
             wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         spans = prompt_logprobs.prompt_spans(batch.seqs, batch.num_new)
@@ -74,6 +91,18 @@ class ModelRunner:
             if graph_logits is not None:
                 return StepOutput(graph_logits)
         return StepOutput(self.model(input_ids, self.kv, meta, wanted))  # [0, V] when only partial prefills ran
+
+    def _decode_rows(self, batch: ScheduledBatch, block_tables: torch.Tensor) -> PagedAttentionMetadata | None:
+        """A verification step as one-token decode rows, when every sequence decodes and the model's
+        fused decode step takes the rows; None: the step runs extend-style."""
+        if not decode_rows.all_decoding(batch.num_new, batch.drafts):
+            return None
+        meta = decode_rows.expand(batch.num_new, [seq.computed_len for seq in batch.seqs], block_tables,
+                                  self.kv.block_size, self.backend)
+        if not fused_decode.can_fuse(self.model, meta, self.kv.keys[0].dtype):
+            return None
+        self.fused_verifications += 1
+        return meta
 
 
 def _draft_rows(batch: ScheduledBatch, sampling_rows: list[int], device: torch.device) -> torch.Tensor:

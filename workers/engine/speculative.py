@@ -140,13 +140,15 @@ def emit_verified(seq: Sequence, rows: torch.Tensor, draft: list[int], now: floa
     stats.drafted_tokens += len(draft)
     stats.accepted_tokens += accepted
     stats.verifications += 1
+    seq.spec_drafted += len(draft)
+    seq.spec_accepted += accepted
     record(seq, len(draft), accepted)
     merged = Delta(seq.request_id, index=seq.index)
     for token in tokens:
         delta = emit(seq, token, Delta(seq.request_id, [token], index=seq.index), now)
         merged.token_ids += delta.token_ids
         merged.text += delta.text
-        merged.finish_reason, merged.usage = delta.finish_reason, delta.usage
+        merged.finish_reason, merged.usage, merged.speculative = delta.finish_reason, delta.usage, delta.speculative
         if seq.finished:
             break
     scheduler.vtc.charge(seq.namespace, output_tokens=accepted)  # the step charged one token

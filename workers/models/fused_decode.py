@@ -29,12 +29,12 @@ if TYPE_CHECKING:
     from workers.models.llama import DecoderLayer, LlamaForCausalLM
 
 
-def can_fuse(model: LlamaForCausalLM, meta: PagedAttentionMetadata) -> bool:
+def can_fuse(model: LlamaForCausalLM, meta: PagedAttentionMetadata, kv_dtype: torch.dtype | None = None) -> bool:
     """Whether this step can run fused: a plain Llama-layer model (not a subclass with other layers),
-    every sequence decoding, on the native backend, a covered shape."""
+    every sequence decoding, on the native backend, a covered shape and cache dtype (None: the model's)."""
     c = model.config
     return (model.fused_decode_ok and meta.backend == "native" and meta.num_decodes == meta.num_seqs and model.device.type == "cpu"
-            and native.covers(c.head_dim, c.num_q_heads, c.num_kv_heads, model.dtype) and native.load())
+            and native.covers(c.head_dim, c.num_q_heads, c.num_kv_heads, model.dtype, kv_dtype) and native.load())
 
 
 def decode_hidden(
@@ -43,19 +43,28 @@ def decode_hidden(
 ) -> torch.Tensor:
     """The fp32 hidden states [B, H] after the last layer (before the final norm) of a decode step;
     writes each token's K/V. cos/sin: [B, 1, D] in the model dtype, as `RotaryTable.gather` gives."""
+    return decode_layers(model, input_ids, kv, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                         cos.squeeze(1), sin.squeeze(1))
+
+
+def decode_layers(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """`decode_hidden` on plain tensors (cos/sin [B, D]): no Python value of the batch is read, so
+    torch.compile traces it whole (workers/engine/compiled_decode.py)."""
     ops = torch.ops.tollway_cpu
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
     c = model.config
     batch = input_ids.shape[0]
-    cos, sin = cos.squeeze(1), sin.squeeze(1)
     residual = model.embed_tokens(input_ids).float()  # [B, H], owned by this step
     normed = ops.add_rms_norm(residual, None, layers[0].input_norm.weight, layers[0].input_norm.eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv.keys[layer.layer_index], kv.values[layer.layer_index]
         qkv = layer.qkv_proj(normed)
-        ops.rotary_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, c.num_q_heads, c.num_kv_heads)
+        ops.rotary_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, c.num_q_heads, c.num_kv_heads)
         q = qkv[:, : c.q_size].view(batch, c.num_q_heads, c.head_dim)
-        attn = ops.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, layer.scale,
+        attn = ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
                                 layer.sliding_window or 0)
         normed = ops.add_rms_norm(residual, layer.o_proj(attn.view(batch, -1)), layer.post_attention_norm.weight,
                                   layer.post_attention_norm.eps)

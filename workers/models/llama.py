@@ -10,6 +10,8 @@ bf16 this halves the teacher-forced disagreements with fp32 against a bf16 resid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,9 @@ from kernels.metadata import PagedAttentionMetadata
 from workers.models import fused_decode
 from workers.models.config import ModelConfig
 from workers.models.rope import RotaryTable, apply_rotary
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A layer's attention: (q [N, Hq, D], k, v [N, Hkv, D]) -> [N, Hq, D], storing the new K/V."""
 
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -72,15 +77,22 @@ class DecoderLayer(nn.Module):
         kv: KVStorage,
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale,
+                                   self.sliding_window)
+
+        return self.forward_with(hidden, cos, sin, attend)
+
+    def forward_with(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """`forward` with the attention given: attend(q [N, Hq, D], k, v [N, Hkv, D]) stores the new
+        K/V and returns [N, Hq, D] (the compiled decode step attends over fixed-shape tables)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(self.input_norm(hidden)).split(self._splits, dim=-1)
         q, k = self.normalize_qk(q.view(num_tokens, self.num_q_heads, self.head_dim),
                                  k.view(num_tokens, self.num_kv_heads, self.head_dim))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(
-            q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale, self.sliding_window
-        )
+        attn = attend(q, k, v)
         hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1)).float()
         return hidden + self.mlp(self.post_attention_norm(hidden)).float()
 
@@ -124,9 +136,12 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def allocate_kv(self, num_blocks: int, block_size: int = 16) -> KVStorage:
+    def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> KVStorage:
+        """K/V storage for this model; dtype: the cache's (None: the model's; workers/precision.py
+        `resolve_kv_cache_dtype` says which others a model may use)."""
         c = self.config
-        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype or self.dtype,
+                         self.device)
 
     @torch.inference_mode()
     def forward(
@@ -154,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
-        if fused_decode.can_fuse(self, meta):  # all decodes on the native CPU ops
+        if fused_decode.can_fuse(self, meta, kv.keys[0].dtype):  # all decodes on the native CPU ops
             hidden = fused_decode.decode_hidden(self, input_ids, kv, meta, cos, sin)
         else:
             hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32

@@ -34,6 +34,8 @@ def packing_kind(dtype: torch.dtype) -> str | None:
 class PackedLinear(nn.Module):
     """`linear` with its weight prepacked; forward(x [M, in]) -> [M, out] as `linear(x)`."""
 
+    packed: torch.Tensor  # a buffer (not saved with the model)
+
     def __init__(self, linear: nn.Linear, kind: str, batch_hint: int) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
@@ -47,10 +49,32 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "mkldnn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        # MKL's packed sgemm serves batches of `batch_hint` rows; other sizes run on the plain weight.
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.batch_hint)
+        if torch.compiler.is_compiling():  # traced by torch.compile: one opaque op (see packed_linear_op)
+            return packed_linear_op(x, self.packed, self.weight, self.bias, self.kind, self.batch_hint)
+        return _packed_linear(x, self.packed, self.weight, self.bias, self.kind, self.batch_hint)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   kind: str, batch_hint: int) -> torch.Tensor:
+    if kind == "mkldnn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # MKL's packed sgemm serves batches of `batch_hint` rows; other sizes run on the plain weight.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, batch_hint)
+
+
+@torch.library.custom_op("tollway_packed::linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     kind: str, batch_hint: int) -> torch.Tensor:
+    """The packed matmul as one op inductor calls as it is: its own lowerings of the MKL / oneDNN
+    packed linears require frozen (constant) weights, which a compiled step with its weights as
+    inputs does not have (workers/engine/compiled_decode.py)."""
+    return _packed_linear(x, packed, weight, bias, kind, batch_hint)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        kind: str, batch_hint: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def pack_linears(model: LlamaForCausalLM, batch_hint: int = 32) -> bool:

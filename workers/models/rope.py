@@ -52,13 +52,21 @@ class RotaryTable:
 
     def gather(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [...] as [..., 1, head_dim] (broadcast over heads), on their device."""
+        self.reserve(max_position, positions.device)
+        cos, sin = self.lookup(positions, dtype)
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+    def reserve(self, max_position: int, device: torch.device) -> None:
+        """Make the tables reach `max_position` (doubling) and live on `device`."""
         if max_position >= self._cos.shape[0]:
             self._build(max(2 * self._cos.shape[0], max_position + 1))
-        if self._cos.device != positions.device:
-            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        cos = self._cos[positions].unsqueeze(-2).to(dtype)
-        sin = self._sin[positions].unsqueeze(-2).to(dtype)
-        return cos, sin
+        if self._cos.device != device:
+            self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] for positions already `reserve`d: tensor ops only, so a compiled
+        step can trace it (the tables are rebuilt only by `reserve`, outside the step)."""
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class _Outcome:
 
     finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice index
     usage: dict[str, int] | None = None
+    speculative: dict[str, int] | None = None  # when the engine speculates: drafted / accepted tokens
 
 
 def _end_span(span: Span, outcome: _Outcome) -> None:
@@ -93,6 +94,9 @@ def _end_span(span: Span, outcome: _Outcome) -> None:
         span.set_attributes({"gen_ai.usage.input_tokens": outcome.usage["prompt_tokens"],
                              "gen_ai.usage.output_tokens": outcome.usage["completion_tokens"],
                              "tollway.cache.cached_tokens": outcome.usage["cached_tokens"]})
+    if outcome.speculative is not None:
+        span.set_attributes({"tollway.speculative.drafted_tokens": outcome.speculative["drafted_tokens"],
+                             "tollway.speculative.accepted_tokens": outcome.speculative["accepted_tokens"]})
     reasons = outcome.finish_reasons
     span.set_attribute("gen_ai.response.finish_reasons", [reasons[i] for i in sorted(reasons)])
     span.end()
@@ -113,6 +117,8 @@ def _line(delta: Any, metrics: WorkerMetrics, outcome: _Outcome) -> dict[str, An
         metrics.prompt_tokens.inc(delta.usage["prompt_tokens"])
         metrics.cached_tokens.inc(delta.usage["cached_tokens"])
         metrics.completion_tokens.inc(delta.usage["completion_tokens"])
+    if delta.speculative is not None:
+        outcome.speculative = delta.speculative
     if delta.finish_reason is not None:
         outcome.finish_reasons[delta.index] = delta.finish_reason
         metrics.finished.labels(reason=delta.finish_reason).inc()

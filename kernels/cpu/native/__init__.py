@@ -6,10 +6,11 @@ compiler is missing or the build fails it logs why, once, and returns False, and
 falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway_cpu.*`:
 
 - `paged_decode(q [B, Hq, D], k_cache, v_cache, block_tables [B, M] int32, context_lens [B] int32,
-  scale, window) -> [B, Hq, D]` (window 0 = none), D in {16, 32, 64, 128, 256}, Hq / Hkv <= 8;
+  scale, window) -> [B, Hq, D]` (window 0 = none), D in {16, 32, 64, 128, 256}, Hq / Hkv <= 8; the
+  caches hold q's dtype, or fp16/bf16 under an fp32 q (`KV_CACHE_DTYPES`);
 - `add_rms_norm(residual [N, H] fp32 (updated in place), x [N, H] | None, weight, eps) -> normed`;
 - `rotary_store(qkv [N, (Hq + 2 Hkv) D] (q and k rotated in place), cos [N, D], sin, k_cache, v_cache,
-  slots [N] int64, Hq, Hkv)`: also writes k and v at their slots;
+  slots [N] int64, Hq, Hkv)`: also writes k and v at their slots (rounded to the caches' dtype);
 - `silu_mul(gate_up [N, 2I]) -> [N, I]`;
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
@@ -28,6 +29,7 @@ import torch
 
 from kernels import cpu
 from kernels.cpu.native.build import BuildError, build
+from kernels.cpu.native.fake import register_fakes
 from kernels.metadata import PagedAttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 8
 DTYPES = (torch.float32, torch.bfloat16)
+KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}
+"""For each compute dtype, the cache dtypes the attention ops read and write."""
 
 __all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason"]
 
@@ -44,6 +48,7 @@ def _load() -> str | None:
     """None when the ops are loaded; else why not (logged once)."""
     try:
         torch.ops.load_library(str(build()))
+        register_fakes()  # so torch.compile can trace steps that call the ops (fake.py)
     except (BuildError, OSError, RuntimeError) as exc:
         reason = f"native CPU kernels unavailable, using the torch CPU path: {exc}"
         log.warning(reason)
@@ -61,11 +66,13 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> bool:
-    """Whether the native decode kernel handles this attention shape and dtype."""
+def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype,
+           kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the native decode kernel handles this attention shape, compute dtype and cache dtype
+    (None: the compute dtype)."""
     group = num_q_heads // max(num_kv_heads, 1)
     return (head_dim in HEAD_DIMS and num_q_heads % max(num_kv_heads, 1) == 0 and group <= MAX_GROUP
-            and dtype in DTYPES)
+            and (kv_dtype or dtype) in KV_CACHE_DTYPES.get(dtype, ()))
 
 
 store_kv = cpu.store_kv
@@ -78,7 +85,7 @@ def decode_step(
 ) -> torch.Tensor:
     """The decodes (the first `meta.num_decodes` sequences), attending in place over their blocks."""
     d = meta.num_decodes
-    if not covers(q.shape[-1], q.shape[1], k_cache.shape[2], q.dtype) or not load():
+    if not covers(q.shape[-1], q.shape[1], k_cache.shape[2], q.dtype, k_cache.dtype) or not load():
         return cpu.decode_step(q, k_cache, v_cache, meta, scale, sliding_window)
     return torch.ops.tollway_cpu.paged_decode(
         q, k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, sliding_window or 0)

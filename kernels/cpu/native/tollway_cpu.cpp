@@ -11,9 +11,13 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -21,8 +25,8 @@
 namespace {
 
 using at::BFloat16;
+using at::Half;
 using Vec = at::vec::Vectorized<float>;
-using BVec = at::vec::Vectorized<BFloat16>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t kMaxGroup = 8;
 
@@ -30,21 +34,24 @@ inline float reduce_add(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// n floats from src (fp32 or bf16) into dst; n is a multiple of 2 * W (head dims are >= 16).
+// n floats from src (fp32, bf16 or fp16) into dst; n is a multiple of 2 * W, or below it (a head dim
+// of 16 under AVX512): then one value at a time.
 template <typename T>
 inline void load_floats(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::copy(src, src + n, dst);
+  } else if (n < 2 * W) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   } else {
     for (int64_t i = 0; i < n; i += 2 * W) {
-      auto [lo, hi] = at::vec::convert_to_float<BFloat16>(BVec::loadu(src + i));
+      auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src + i));
       lo.store(dst + i);
       hi.store(dst + i + W);
     }
   }
 }
 
-// Any n: vector body, scalar tail (c10::BFloat16 rounds to nearest even, as torch does).
+// Any n: vector body, scalar tail (c10's BFloat16 and Half round to nearest even, as torch does).
 template <typename T>
 inline void store_floats(const float* src, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
@@ -52,9 +59,9 @@ inline void store_floats(const float* src, T* dst, int64_t n) {
   } else {
     int64_t i = 0;
     for (; i + 2 * W <= n; i += 2 * W) {
-      at::vec::convert_from_float<BFloat16>(Vec::loadu(src + i), Vec::loadu(src + i + W)).store(dst + i);
+      at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + W)).store(dst + i);
     }
-    for (; i < n; ++i) dst[i] = BFloat16(src[i]);
+    for (; i < n; ++i) dst[i] = T(src[i]);
   }
 }
 
@@ -68,22 +75,70 @@ inline float round_to(float x) {
   }
 }
 
+// The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
+// dtype, and fp16 or bf16 caches under fp32 compute.
+inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
+  if (compute == at::kFloat) return cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16;
+  return compute == at::kBFloat16 && cache == at::kBFloat16;
+}
+
 // ---- paged decode attention ------------------------------------------------------------------
-// One task per (sequence, KV head): its G query heads read that head's K and V rows once, in place
-// through the block table (no gather). Scores for the whole context live in a per-thread buffer
-// [G, L] (L = context rounded up to W); softmax and the V sum run over it in fp32.
-template <typename T, int64_t D>
+// One task per (sequence, KV head): its G query heads read that head's K and V rows in place through
+// the block table (no gather, no copy). Scores for the whole context live in a per-thread buffer
+// [G, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches hold
+// C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load.
+//
+// The loops keep their accumulators in registers: scores four tokens at a time per query head (one
+// horizontal reduction for four dot products), the V sum one query head and 2W dims at a time over
+// the tokens; K and V rows are re-read per query head, from L1/L2. The first version copied every
+// row into a buffer and accumulated V through memory: on a 2-core AVX2 host (fp32, batch 32 x 380
+// tokens, 30 layers' caches) this one takes 2/3 of its time (ops/bench/RESULTS.md, issue 21).
+
+// Two float vectors (2W values) of a row of C from p; n_valid: W when the row holds fewer than 2W.
+template <typename C>
+inline void load_pair(const C* p, Vec& lo, Vec& hi, int64_t n_valid) {
+  if constexpr (std::is_same_v<C, float>) {
+    lo = Vec::loadu(p);
+    hi = n_valid > W ? Vec::loadu(p + W) : Vec(0.f);
+  } else if (n_valid > W) {
+    std::tie(lo, hi) = at::vec::convert_to_float<C>(at::vec::Vectorized<C>::loadu(p));
+  } else {
+    std::tie(lo, hi) = at::vec::convert_to_float<C>(at::vec::Vectorized<C>::loadu(p, W));
+  }
+}
+
+// The four horizontal sums of a0..a3, in order.
+inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto half = [](const Vec& v) {
+    const __m512 x = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 b0 = half(a0), b1 = half(a1), b2 = half(a2), b3 = half(a3);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = reduce_add(a0), out[1] = reduce_add(a1), out[2] = reduce_add(a2), out[3] = reduce_add(a3);
+#endif
+}
+
+template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
                        at::Tensor& out) {
+  constexpr int64_t P = D < 2 * W ? W : 2 * W;  // floats per load_pair (the row's values it covers)
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), BS = k_cache.size(1);
   const int64_t G = Hq / Hkv;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
   const int64_t ts0 = tables.stride(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
@@ -94,72 +149,85 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L);
-    alignas(64) float qf[kMaxGroup * D];
-    alignas(64) float row[D];
-    alignas(64) float acc[kMaxGroup * D];
+    std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
+    alignas(64) float qf[D];
+    alignas(64) float acc[D];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t len = lp[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start, n_padded = (n + W - 1) / W * W;
-      for (int64_t g = 0; g < G; ++g) load_floats(qp + b * qs0 + (h * G + g) * qs1, qf + g * D, D);
-      float row_max[kMaxGroup];
-      std::fill(row_max, row_max + G, -std::numeric_limits<float>::infinity());
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = start + i;
-        const int64_t offset = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
-        load_floats(kp + offset, row, D);
-        for (int64_t g = 0; g < G; ++g) {
-          Vec dot(0.f);
-          for (int64_t d = 0; d < D; d += W) dot = at::vec::fmadd(Vec::loadu(qf + g * D + d), Vec::loadu(row + d), dot);
-          const float s = reduce_add(dot) * fscale;
-          scores[g * L + i] = s;
-          row_max[g] = std::max(row_max[g], s);
-        }
+        rows[i] = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
       }
-      float total[kMaxGroup];
       for (int64_t g = 0; g < G; ++g) {
+        load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
         float* s = scores.data() + g * L;
-        std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());  // exp(-inf) = 0
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
+          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), lo, hi;
+          for (int64_t d = 0; d < D; d += P) {
+            const Vec q0 = Vec::loadu(qf + d), q1 = P > W ? Vec::loadu(qf + d + W) : Vec(0.f);
+            load_pair(kp + rows[i] + d, lo, hi, P);
+            a0 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a0));
+            load_pair(kp + rows[i + 1] + d, lo, hi, P);
+            a1 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a1));
+            load_pair(kp + rows[i + 2] + d, lo, hi, P);
+            a2 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a2));
+            load_pair(kp + rows[i + 3] + d, lo, hi, P);
+            a3 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a3));
+          }
+          reduce4(a0, a1, a2, a3, s + i);
+        }
+        for (; i < n; ++i) {
+          Vec a(0.f), lo, hi;
+          for (int64_t d = 0; d < D; d += P) {
+            load_pair(kp + rows[i] + d, lo, hi, P);
+            a = at::vec::fmadd(P > W ? Vec::loadu(qf + d + W) : Vec(0.f), hi, at::vec::fmadd(Vec::loadu(qf + d), lo, a));
+          }
+          s[i] = reduce_add(a);
+        }
+        // softmax over the scaled scores: max, exp, sum (padding lanes exp(-inf) = 0)
+        Vec m(-std::numeric_limits<float>::infinity());
+        for (i = 0; i < n; ++i) s[i] *= fscale;
+        std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());
+        for (i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
+        const Vec row_max(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
         Vec sum(0.f);
-        const Vec m(row_max[g]);
-        for (int64_t i = 0; i < n_padded; i += W) {
-          const Vec p = (Vec::loadu(s + i) - m).exp();
+        for (i = 0; i < n_padded; i += W) {
+          const Vec p = (Vec::loadu(s + i) - row_max).exp();
           p.store(s + i);
           sum = sum + p;
         }
-        total[g] = reduce_add(sum);
-      }
-      std::fill(acc, acc + G * D, 0.f);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = start + i;
-        const int64_t offset = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
-        load_floats(vp + offset, row, D);
-        for (int64_t g = 0; g < G; ++g) {
-          const Vec p(scores[g * L + i]);
-          for (int64_t d = 0; d < D; d += W) {
-            at::vec::fmadd(p, Vec::loadu(row + d), Vec::loadu(acc + g * D + d)).store(acc + g * D + d);
+        const Vec inv(1.f / reduce_add(sum));
+        // V sum: 2W dims at a time, accumulated in registers over the tokens
+        for (int64_t d = 0; d < D; d += P) {
+          Vec v0(0.f), v1(0.f), lo, hi;
+          for (i = 0; i < n; ++i) {
+            const Vec p(s[i]);
+            load_pair(vp + rows[i] + d, lo, hi, P);
+            v0 = at::vec::fmadd(p, lo, v0);
+            v1 = at::vec::fmadd(p, hi, v1);
           }
+          (v0 * inv).store(acc + d);
+          if (P > W) (v1 * inv).store(acc + d + W);
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const Vec inv(1.f / total[g]);
-        for (int64_t d = 0; d < D; d += W) (Vec::loadu(acc + g * D + d) * inv).store(acc + g * D + d);
-        store_floats(acc + g * D, op + b * os0 + (h * G + g) * os1, D);
+        store_floats(acc, op + b * os0 + (h * G + g) * os1, D);
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_decode_dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& t,
                                const at::Tensor& l, double scale, int64_t window, at::Tensor& out) {
   switch (q.size(2)) {
-    case 16: return paged_decode_impl<T, 16>(q, k, v, t, l, scale, window, out);
-    case 32: return paged_decode_impl<T, 32>(q, k, v, t, l, scale, window, out);
-    case 64: return paged_decode_impl<T, 64>(q, k, v, t, l, scale, window, out);
-    case 128: return paged_decode_impl<T, 128>(q, k, v, t, l, scale, window, out);
-    case 256: return paged_decode_impl<T, 256>(q, k, v, t, l, scale, window, out);
+    case 16: return paged_decode_impl<T, C, 16>(q, k, v, t, l, scale, window, out);
+    case 32: return paged_decode_impl<T, C, 32>(q, k, v, t, l, scale, window, out);
+    case 64: return paged_decode_impl<T, C, 64>(q, k, v, t, l, scale, window, out);
+    case 128: return paged_decode_impl<T, C, 128>(q, k, v, t, l, scale, window, out);
+    case 256: return paged_decode_impl<T, C, 256>(q, k, v, t, l, scale, window, out);
     default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
   }
 }
@@ -170,8 +238,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
               "paged_decode: head rows must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_pair_ok(q.scalar_type(), k_cache.scalar_type()),
+              "paged_decode: the caches must hold q's dtype, or fp16/bf16 under an fp32 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.stride(1) == 1 && context_lens.is_contiguous(),
               "paged_decode: block tables and context lengths must be int32 rows");
@@ -180,11 +248,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: need head_dim equal and at most 8 query heads per KV head");
   TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
   at::Tensor out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kFloat) {
-    paged_decode_dispatch_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  const at::ScalarType cache = k_cache.scalar_type();
+  if (q.scalar_type() == at::kFloat && cache == at::kFloat) {
+    paged_decode_dispatch_dim<float, float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else if (q.scalar_type() == at::kFloat && cache == at::kHalf) {
+    paged_decode_dispatch_dim<float, Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    paged_decode_dispatch_dim<float, BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: fp32 or bf16 only");
-    paged_decode_dispatch_dim<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+    paged_decode_dispatch_dim<BFloat16, BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   }
   return out;
 }
@@ -245,7 +317,8 @@ at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x,
 // qkv [N, (Hq + 2 Hkv) * D] (q heads, k heads, v heads): q and k rotated in place ("rotate half"),
 // then k and v written at their flat slots of the caches (a negative slot is skipped). cos/sin
 // [N, D] in qkv's dtype. Each product and the sum are rounded as torch's `x * cos + rot * sin` does.
-template <typename T>
+// The caches hold C (T, or fp16/bf16 under fp32 T): k and v are rounded to it as they are written.
+template <typename T, typename C>
 void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                        at::Tensor& v_cache, const at::Tensor& slots, int64_t hq, int64_t hkv) {
   const int64_t N = qkv.size(0), D = k_cache.size(3), half = D / 2, row_stride = qkv.stride(0);
@@ -253,8 +326,8 @@ void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
   T* xp = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -274,8 +347,13 @@ void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
         }
       }
       if (slot[n] >= 0) {
-        std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
-        std::copy(row + hq * D + kv_row, row + hq * D + 2 * kv_row, vc + slot[n] * kv_row);
+        if constexpr (std::is_same_v<T, C>) {
+          std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
+          std::copy(row + hq * D + kv_row, row + hq * D + 2 * kv_row, vc + slot[n] * kv_row);
+        } else {  // T is fp32 here (kv_pair_ok)
+          store_floats(row + hq * D, kc + slot[n] * kv_row, kv_row);
+          store_floats(row + hq * D + kv_row, vc + slot[n] * kv_row, kv_row);
+        }
       }
     }
   });
@@ -294,12 +372,20 @@ void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
               "rotary_store: cos/sin must be [N, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
               "rotary_store: slots must be int64 [N]");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
-                  sin.scalar_type() == cos.scalar_type(),
-              "rotary_store: qkv, cos/sin and the caches must share a dtype");
-  if (qkv.scalar_type() == at::kFloat) return rotary_store_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rotary_store: fp32 or bf16 only");
-  rotary_store_impl<BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && kv_pair_ok(qkv.scalar_type(), k_cache.scalar_type()),
+              "rotary_store: qkv and cos/sin must share a dtype, the caches hold it (or fp16/bf16 under fp32)");
+  const at::ScalarType cache = k_cache.scalar_type();
+  if (qkv.scalar_type() == at::kFloat && cache == at::kFloat) {
+    return rotary_store_impl<float, float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  }
+  if (qkv.scalar_type() == at::kFloat && cache == at::kHalf) {
+    return rotary_store_impl<float, Half>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  }
+  if (qkv.scalar_type() == at::kFloat) {
+    return rotary_store_impl<float, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  }
+  rotary_store_impl<BFloat16, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
 }
 
 // ---- SiLU(gate) * up ------------------------------------------------------------------------

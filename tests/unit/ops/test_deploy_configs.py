@@ -41,7 +41,10 @@ def exported_metric_names() -> set[str]:
     gateway.registry.register(StateCollector({}))  # type: ignore[arg-type]
     worker = make_metrics(lambda: {"running": 0, "waiting": 0, "blocks": {"total": 1, "free": 1, "used": 0,
                                                                             "evictable": 0},
-                                   "kv_utilization": 0.0, "cache": {}, "preemptions": 0})
+                                   "kv_utilization": 0.0, "cache": {}, "preemptions": 0,
+                                   "speculative": {"mode": "ngram", "drafted_tokens": 0, "accepted_tokens": 0,
+                                                   "verifications": 0, "acceptance_rate": 0.0,
+                                                   "mean_accepted_length": 0.0}})
     worker.finished.labels(reason="stop")
     return family_names(gateway.registry) | family_names(worker.registry)
 
@@ -53,7 +56,8 @@ def test_grafana_queries_only_exported_metrics_and_covers_the_issue() -> None:
     exported = exported_metric_names()
     assert used and used <= exported, f"not exported: {sorted(used - exported)}"
     titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
-    for topic in ("requests / s", "first token", "cache hit ratio", "kv blocks", "per tenant", "rejections"):
+    for topic in ("requests / s", "first token", "cache hit ratio", "kv blocks", "per tenant", "rejections",
+                  "speculative decoding: acceptance rate"):
         assert topic in titles
     assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
     assert all(t["datasource"]["uid"] == "prometheus" for panel in dashboard["panels"] for t in panel["targets"])

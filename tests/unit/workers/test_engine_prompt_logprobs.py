@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.unit.workers.test_engine_tiny import assert_no_leaks
 from workers.engine import prompt_logprobs
 from workers.engine.config import EngineConfig
 from workers.engine.deltas import Delta
@@ -76,12 +77,6 @@ def assert_matches_reference(delta: Delta, prompt: list[int], expected: torch.Te
     for position, top in enumerate(delta.prompt_top_logprobs):
         assert [t for t, _ in top] == top_ids[position].tolist()
         assert torch.allclose(torch.tensor([lp for _, lp in top]), top_values[position], atol=1e-4)
-
-
-def assert_no_leaks(engine: Engine) -> None:
-    engine.check_integrity()
-    assert engine.all_blocks_free_or_evictable()
-    assert not engine.sequences and not engine.has_work()
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,14 @@
-"""Speculative decoding's figures on the worker's /metrics and /internal/info, and the settings'
-startup check (issue 23)."""
+"""Speculative decoding's figures on the worker's /metrics and /internal/info, on each request's
+`worker.generate` span (drafted / accepted tokens over its choices), and the settings' startup check
+(issue 23)."""
 
 from __future__ import annotations
 
 import click
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.offline import engine_config
@@ -14,6 +18,7 @@ from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 from workers.settings import WorkerSettings
+from workers.tracing import WorkerTracing
 
 
 @pytest.mark.asyncio
@@ -38,6 +43,35 @@ async def test_worker_metrics_report_drafted_and_accepted_tokens(aiohttp_client,
         spec["accepted_tokens"] / spec["drafted_tokens"])
     assert values["tollway_worker_speculative_mean_accepted_length"] == pytest.approx(
         spec["accepted_tokens"] / spec["verifications"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["ngram", "off"])
+async def test_the_request_span_carries_drafted_and_accepted_tokens(aiohttp_client, tiny: LoadedModel,
+                                                                    mode: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("worker")
+    config = EngineConfig(num_blocks=64, block_size=8, speculative=mode)  # type: ignore[arg-type]
+    engine = AsyncEngine(Engine(tiny, config, name="tiny", tracer=tracer))
+    try:
+        client = await aiohttp_client(create_worker_app(engine, WorkerTracing(tracer), secret="s"),
+                                      headers={"Authorization": "Bearer s"})
+        body = {"request_id": "r1", "namespace": "t", "prompt_token_ids": list(range(5, 15)) * 4,
+                "sampling": {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "n": 2}}
+        await (await client.post("/internal/generate", json=body)).read()
+    finally:
+        engine.shutdown()
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "worker.generate"]
+    stats = engine.engine.spec_stats  # this request's two choices were all the engine ran
+    if mode == "off":
+        assert "tollway.speculative.drafted_tokens" not in span.attributes
+        return
+    assert stats.drafted_tokens > 0
+    assert span.attributes["tollway.speculative.drafted_tokens"] == stats.drafted_tokens
+    assert span.attributes["tollway.speculative.accepted_tokens"] == stats.accepted_tokens
+    assert span.attributes["gen_ai.usage.output_tokens"] == 48
 
 
 def test_settings_pass_speculation_and_refuse_the_unbuilt_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
