@@ -5,7 +5,8 @@ Ownership: the scheduler (scheduler.py) owns the sequences' state and, through t
 (cache.manager.KVCacheManager), their blocks; the engine owns what a request needs beyond that:
 each choice's generator, detokenizer and spans, the stop checks, the deltas and the usage.
 Its settings live in workers/engine/config.py, what it reports (`Delta`) in workers/engine/deltas.py,
-and the speculative decoding steps it calls (drafting, verifying) in workers/engine/speculative.py.
+and the speculative decoding steps it calls (drafting, verifying) in workers/engine/speculative.py;
+its KV cache and model runner are built by workers/engine/runner_setup.py.
 Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
 """
 
@@ -19,26 +20,19 @@ import torch
 from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
-from cache.kv_storage import KVStorage
-from cache.manager import KVCacheManager
-from kernels.dispatch import select_backend
 from workers.engine import grammar, speculative
 from workers.engine.batch import StepUpdate
-from workers.engine.compiled_decode import CompiledDecode, compile_wanted
 from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
 from workers.engine.detokenize import OutputText
 from workers.engine.drafter import make_drafter
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
 from workers.engine.request import FinishReason, Priority, Sequence, Status
-from workers.engine.runner import BucketedDecode, ModelRunner
+from workers.engine.runner_setup import build_runner
 from workers.engine.sampler import SampleResult, sample
 from workers.engine.scheduler import Scheduler
 from workers.models.loader import LoadedModel
-from workers.models.packed_linear import pack_linears
-from workers.precision import resolve_kv_cache_dtype
 from workers.wire.sampling import SamplingParams
 
 
@@ -48,30 +42,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         self.name = name or loaded.folder.name
-        model = loaded.model
-        c = model.config
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, model.device.type)
-        num_blocks = config.num_blocks or max(
-            1, config.kv_budget_bytes // KVStorage.bytes_per_block(
-                c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype))
-        self.cache = KVCacheManager(num_blocks, config.block_size)
-        backend = select_backend(model.device, config.attention)
-        if backend == "native":  # the native decode step's matmuls run on prepacked weights
-            pack_linears(model)
-        # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
-        graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
-        compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
-        # With CUDA graphs or a compiled step the storage holds one more block than the pool hands out:
-        # the padding rows'.
-        kv = model.allocate_kv(num_blocks + (graphs or compiled), config.block_size, kv_dtype)
-        bucketed: BucketedDecode | None = None
-        if graphs:
-            bucketed = DecodeGraphs(model, kv, num_blocks, backend)
-        elif compiled:
-            bucketed = CompiledDecode(model, kv, num_blocks, backend)
-        self.runner = ModelRunner(model, kv, backend, bucketed)
+        self.cache, self.runner = build_runner(loaded, config)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
                                    config.scheduling, config.max_running_per_tenant)
+        c = loaded.model.config
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)

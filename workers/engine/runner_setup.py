@@ -1,0 +1,45 @@
+"""What an engine runs its model on: the KV cache's size and dtype, the attention backend, and the
+step runner (eager, CUDA-graphed or compiled decode), chosen once from the engine's settings.
+
+Ownership: the returned `KVCacheManager` owns the block ids; the `ModelRunner` owns the K/V storage
+they index (plus one padding block when decode is graphed or compiled).
+"""
+
+from __future__ import annotations
+
+from cache.kv_storage import KVStorage
+from cache.manager import KVCacheManager
+from kernels.dispatch import select_backend
+from workers.engine.compiled_decode import CompiledDecode, compile_wanted
+from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.runner import BucketedDecode, ModelRunner
+from workers.models.loader import LoadedModel
+from workers.models.packed_linear import pack_linears
+from workers.precision import resolve_kv_cache_dtype
+
+
+def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheManager, ModelRunner]:
+    """The block manager and the model runner for `loaded` under `config`."""
+    model = loaded.model
+    c = model.config
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype, model.device.type)
+    num_blocks = config.num_blocks or max(
+        1, config.kv_budget_bytes // KVStorage.bytes_per_block(
+            c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype))
+    cache = KVCacheManager(num_blocks, config.block_size)
+    backend = select_backend(model.device, config.attention)
+    if backend == "native":  # the native decode step's matmuls run on prepacked weights
+        pack_linears(model)
+    # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
+    graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
+    compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
+    # With CUDA graphs or a compiled step the storage holds one more block than the pool hands out:
+    # the padding rows'.
+    kv = model.allocate_kv(num_blocks + (graphs or compiled), config.block_size, kv_dtype)
+    bucketed: BucketedDecode | None = None
+    if graphs:
+        bucketed = DecodeGraphs(model, kv, num_blocks, backend)
+    elif compiled:
+        bucketed = CompiledDecode(model, kv, num_blocks, backend)
+    return cache, ModelRunner(model, kv, backend, bucketed)
