@@ -57,7 +57,7 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
     loaded = load_named_model(settings, model, dtype or settings.dtype, stderr)
     tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
     token_ids = tokenizer.encode(text)
-    engine = Engine(loaded, engine_config(settings), name=model)
+    engine = Engine(loaded, engine_config(settings, dtype or settings.dtype), name=model)
     window = window or engine.max_context
     if window > engine.max_context:
         raise click.UsageError(f"--window {window} exceeds the model's context of {engine.max_context} tokens")

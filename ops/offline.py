@@ -75,9 +75,10 @@ def serving_model(settings: WorkerSettings, model: str, dtype: str, console: Con
         yield run.loaded
 
 
-def engine_config(settings: WorkerSettings) -> EngineConfig:
-    """The engine's configuration from the settings; a ClickException for a speculative mode this build
-    cannot run (checked before any model loads)."""
+def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineConfig:
+    """The engine's configuration from the settings; a ClickException for a speculative mode or KV
+    cache dtype this build cannot run (checked before any model loads). `dtype`: the model's dtype
+    as the command was given it (`--dtype`), when not the settings' own."""
     try:
         make_drafter(settings.speculative, settings.speculative_ngram)
     except ValueError as exc:
@@ -86,7 +87,8 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         raise click.ClickException("TOLLWAY_SPECULATIVE_TOKENS must be at least 1")
     try:  # the engine checks again with the loaded model's own dtype and device
         device = resolve_device(settings.device)
-        resolve_kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(settings.dtype, device), device.split(":")[0])
+        resolve_kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(dtype or settings.dtype, device),
+                               device.split(":")[0])
     except ValueError as exc:
         raise click.ClickException(f"TOLLWAY_KV_CACHE_DTYPE: {exc}") from exc
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, kv_cache_dtype=settings.kv_cache_dtype,
@@ -118,7 +120,7 @@ def run_generate(
                           else tokenizer.encode(prompt))
         except ChatTemplateError as exc:
             raise click.ClickException(str(exc)) from exc
-        engine = Engine(loaded, engine_config(settings), name=model)
+        engine = Engine(loaded, engine_config(settings, dtype), name=model)
         if len(prompt_ids) + max_tokens > engine.max_context:
             raise click.UsageError(
                 f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "

@@ -22,7 +22,7 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     """Serve `model` (a name or path) as `served_name` (default: `model` as given), the model id the
     worker's /internal/info reports and gateways route by."""
     secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
-    config = engine_config(settings)  # refuses unusable settings before the model loads
+    config = engine_config(settings, dtype)  # refuses unusable settings before the model loads
     with serving_model(settings, model, dtype, console) as loaded:
         serve(settings, loaded, config, secret, name=served_name or model, host=host, port=port, console=console)
 
