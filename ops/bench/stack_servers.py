@@ -3,7 +3,8 @@
 
 `TollwayStack` starts `python -m ops.cli up` from this checkout in a temp `TOLLWAY_HOME` whose
 `models/` links to an existing home's converted models (no conversion), makes a tenant and an API
-key with the CLI, and stops the whole process tree (SIGTERM to the supervisor) on `stop()`.
+key with the CLI, reads its engine worker's /metrics (`worker_metrics()`), and stops the whole
+process tree (SIGTERM to the supervisor) on `stop()`.
 `LlamaServer` runs a llama.cpp `llama-server` binary on the same model's GGUF with N slots.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from ops.bench.http_load import REPO_ROOT, child_env, cpu_seconds, free_port
 from ops.bench.stack_workload import Messages, Run
@@ -65,7 +67,7 @@ class TollwayStack:
         self.home = workdir / "tollway-home"
         self.home.mkdir(parents=True)
         (self.home / "models").symlink_to((model_home / "models").resolve(), target_is_directory=True)
-        self.port = free_port()
+        self.port, self.worker_port = free_port(), free_port()
         self.log = workdir / "tollway-up.log"
         self.env = child_env(TOLLWAY_HOME=str(self.home), **env)
         self.process: subprocess.Popen[bytes] | None = None
@@ -73,6 +75,12 @@ class TollwayStack:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def worker_metrics(self) -> dict[str, float]:
+        """The engine worker's /metrics samples, by name (labels dropped: the last sample of a name wins)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.worker_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
     def cli(self, *args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=REPO_ROOT, env=self.env,
@@ -85,7 +93,7 @@ class TollwayStack:
         """Start and wait for /readyz; returns a new tenant's API key."""
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ops.cli", "up", "--port", str(self.port), "--worker-port", str(free_port())],
+                [sys.executable, "-m", "ops.cli", "up", "--port", str(self.port), "--worker-port", str(self.worker_port)],
                 cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         wait_for(f"{self.base_url}/readyz", self.process, self.log)
         self.cli("tenants", "create", "stack-bench")
@@ -162,6 +170,7 @@ class Answer:
     completion_tokens: int
     usage_reported: bool
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    text: str = ""
 
 
 async def stream_chat(client: AsyncOpenAI, model: str, messages: Messages, max_tokens: int,
@@ -169,7 +178,7 @@ async def stream_chat(client: AsyncOpenAI, model: str, messages: Messages, max_t
     """One streamed chat completion; the first token is the first chunk with content."""
     sent = time.perf_counter()
     first: float | None = None
-    counted, usage = 0, None
+    counted, usage, text = 0, None, []
     stream = await client.chat.completions.create(
         model=model, messages=cast(Any, messages), max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_body=extra_body)
@@ -179,14 +188,15 @@ async def stream_chat(client: AsyncOpenAI, model: str, messages: Messages, max_t
         for choice in chunk.choices:
             if choice.delta.content:
                 counted += 1
+                text.append(choice.delta.content)
                 if first is None:
                     first = time.perf_counter()
     done = time.perf_counter()
     if usage is None:
-        return Answer(sent, first, done, 0, counted, False)
+        return Answer(sent, first, done, 0, counted, False, text="".join(text))
     details = usage.prompt_tokens_details
     cached = details.cached_tokens if details is not None else None
-    return Answer(sent, first, done, usage.prompt_tokens, usage.completion_tokens, True, cached)
+    return Answer(sent, first, done, usage.prompt_tokens, usage.completion_tokens, True, cached, "".join(text))
 
 
 async def chat_load(base_url: str, api_key: str, conversations: list[Messages], max_tokens: int,
