@@ -48,7 +48,7 @@ def expected(fp32: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_greedy_tokens_identical_with_ngram_speculation(fp32, prompts, expected, regime: str) -> None:
-    config = EngineConfig(**{**vars(REGIMES[regime]), "speculative": "ngram"})
+    config = EngineConfig(**{**vars(REGIMES[regime]), "speculative": "ngram", "speculative_timed": False})
     engine = Engine(fp32, config)
     rounds = 2 if regime == "prefix-hits" else 1
     for _ in range(rounds):

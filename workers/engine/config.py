@@ -34,3 +34,6 @@ class EngineConfig:
     speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)
     speculative_ngram: int = 3  # the ngram drafter's longest match (n); it tries n, n-1, ..., 1
     speculative_max_batch: int = 16  # nobody drafts while more sequences than this decode (compute-bound)
+    # Drafting backs off where measured steps say it loses (workers/engine/spec_governor.py); False:
+    # acceptance and batch size alone decide (deterministic, for tests that count verifications).
+    speculative_timed: bool = True

@@ -32,6 +32,7 @@ from workers.engine.request import FinishReason, Priority, Sequence, Status
 from workers.engine.runner_setup import build_runner
 from workers.engine.sampler import SampleResult, sample
 from workers.engine.scheduler import Scheduler
+from workers.engine.spec_governor import SpeculationGovernor
 from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams
 
@@ -51,6 +52,8 @@ class Engine:
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)
         self.masks = GrammarMasks(c.vocab_size)
         self.drafter = make_drafter(config.speculative, config.speculative_ngram)  # None: off
+        # Drafting's back-off by measured step cost (None: speculation off, or timing left out by config).
+        self.spec_governor = SpeculationGovernor() if self.drafter is not None and config.speculative_timed else None
         self.spec_stats = speculative.SpecStats()
         self.sequences: dict[str, Sequence] = {}  # request id -> its first choice, while running
         self.finished_counts: dict[str, int] = {}  # by finish reason of each choice, since start
@@ -115,6 +118,16 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        """One step (`_step`), timed for the speculation governor when there is one."""
+        governor = self.spec_governor
+        if governor is None:
+            return self._step()
+        start = time.perf_counter()
+        deltas = self._step()
+        governor.finished(time.perf_counter() - start)
+        return deltas
+
+    def _step(self) -> list[Delta]:
         """schedule → run the model (and keep the prompt logprobs it computed) → update (the
         scheduler's: computed lengths, prefix commits, forks of n > 1 choices) → end the max_tokens 0
         requests whose prompt is computed → sample → deltas. The update comes before sampling
@@ -124,8 +137,10 @@ class Engine:
             start_ns, preemptions = time.time_ns(), self.scheduler.preemptions
         if self.drafter is not None:
             speculative.propose_drafts(self.scheduler.running, self.drafter, self.config.speculative_tokens,
-                                       self.config.speculative_max_batch, self.max_context)
+                                       self.config.speculative_max_batch, self.max_context, self.spec_governor)
         batch = self.scheduler.schedule()
+        if self.spec_governor is not None:
+            self.spec_governor.started(batch.seqs, batch.has_drafts)
         if phases is not None and self.scheduler.preemptions != preemptions:
             phases.preempted(start_ns)
         deltas = [self._final_delta(s, Delta(s.request_id, index=s.index)) for s in self.scheduler.take_finished()]

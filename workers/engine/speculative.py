@@ -19,7 +19,8 @@ grammar masks) do not speculate: they decode one token per step exactly as witho
 Adaptive: each sequence keeps an acceptance rate (exponential moving average); below `MIN_RATE`
 it stops drafting for a cool-down that doubles on each further miss, and nobody drafts while more
 than `max_batch` sequences decode (a large batch is compute-bound: verifying rejected drafts costs
-real time there).
+real time there). Below that, a governor measuring the steps' cost with and without drafts keeps
+drafting off where it loses (workers/engine/spec_governor.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from workers.engine.drafter import Drafter
 from workers.engine.request import Sequence, Status
 from workers.engine.sampler import truncate
 from workers.engine.scheduler import Scheduler
+from workers.engine.spec_governor import SpeculationGovernor
 
 EMA = 0.3  # weight of the newest step in a sequence's acceptance rate
 MIN_RATE = 0.25  # below this a sequence pauses drafting
@@ -75,13 +77,17 @@ def wants_draft(seq: Sequence) -> bool:
     return True
 
 
-def propose_drafts(running: list[Sequence], drafter: Drafter, k: int, max_batch: int, max_context: int) -> None:
-    """Each decoding sequence's draft for the coming step (the scheduler takes it or drops it)."""
+def propose_drafts(running: list[Sequence], drafter: Drafter, k: int, max_batch: int, max_context: int,
+                   governor: SpeculationGovernor | None = None) -> None:
+    """Each decoding sequence's draft for the coming step (the scheduler takes it or drops it).
+    With a `governor`, the sequences it governs draft only in steps it allows."""
     decoding = [s for s in running
                 if s.status is Status.RUNNING and s.output_len > 0 and s.computed_len == s.total_len - 1]
     crowded = len(decoding) > max_batch
+    timed_off = governor is not None and not crowded and not governor.allows(len(decoding))
     for seq in decoding:
-        budget = 0 if crowded or not eligible(seq) else draft_budget(seq, k, max_context)
+        off = crowded or not eligible(seq) or (timed_off and SpeculationGovernor.governs(seq))
+        budget = 0 if off else draft_budget(seq, k, max_context)
         seq.draft_ids = drafter.propose(seq.all_ids, budget) if budget and wants_draft(seq) else []
 
 

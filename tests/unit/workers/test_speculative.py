@@ -48,7 +48,8 @@ def assert_no_leaks(engine: Engine) -> None:
 def test_greedy_tokens_identical_on_and_off(tiny, prompts, config: EngineConfig) -> None:
     off = Engine(tiny, config)
     expected = [s.output_ids for s in off.generate_batch(prompts, GREEDY)]
-    spec = Engine(tiny, EngineConfig(**{**vars(config), "speculative": "ngram", "speculative_tokens": 4}))
+    spec = Engine(tiny, EngineConfig(**{**vars(config), "speculative": "ngram", "speculative_tokens": 4,
+                                              "speculative_timed": False}))
     first = spec.generate_batch(prompts, GREEDY)
     assert [s.output_ids for s in first] == expected
     assert_no_leaks(spec)
@@ -66,7 +67,7 @@ def test_stop_strings_max_tokens_and_n_behave_as_without(tiny, prompts) -> None:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, n=n) for m, n in
               ((7, 1), (23, 2), (1, 1), (40, 3))]
     off = Engine(tiny, EngineConfig(num_blocks=200))
-    spec = Engine(tiny, EngineConfig(num_blocks=200, speculative="ngram"))
+    spec = Engine(tiny, EngineConfig(num_blocks=200, speculative="ngram", speculative_timed=False))
     for engine in (off, spec):
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
@@ -97,7 +98,8 @@ def test_adaptive_backoff_and_crowded_batch(tiny, prompts) -> None:
     assert [speculative.wants_draft(seq) for _ in range(paused + 1)] == [False] * paused + [True]
     speculative.record(seq, 4, 4)
     assert seq.spec_rate > speculative.MIN_RATE and seq.spec_cooldown == 0
-    crowded = Engine(tiny, EngineConfig(num_blocks=200, speculative="ngram", speculative_max_batch=2))
+    crowded = Engine(tiny, EngineConfig(num_blocks=200, speculative="ngram", speculative_max_batch=2,
+                                          speculative_timed=False))
     crowded.generate_batch(prompts, GREEDY)
     assert crowded.spec_stats.drafted_tokens == 0
 
@@ -173,7 +175,7 @@ def test_engine_sampled_tokens_follow_the_target_and_seeds_reproduce(tiny, promp
     # 48 requests x n=16 choices, each choice its own seed (seed + index)
     params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, seed=16 * i, n=16, ignore_eos=True)
               for i in range(48)]
-    config = EngineConfig(num_blocks=1200, max_batch_tokens=4096, max_running=1000, speculative="ngram",
+    config = EngineConfig(num_blocks=1200, max_batch_tokens=4096, max_running=1000, speculative="ngram", speculative_timed=False,
                           speculative_max_batch=1000)
     engine = Engine(tiny, config)
     for i, sp in enumerate(params):

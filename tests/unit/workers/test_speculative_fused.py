@@ -104,7 +104,8 @@ def test_engine_greedy_tokens_identical_with_fused_verification(native_ops, tiny
     settings = {**vars(config), "attention": attention}
     off = Engine(tiny, EngineConfig(**settings))
     expected = [s.output_ids for s in off.generate_batch(prompts, GREEDY)]
-    spec = Engine(tiny, EngineConfig(**{**settings, "speculative": "ngram", "speculative_tokens": 4}))
+    spec = Engine(tiny, EngineConfig(**{**settings, "speculative": "ngram", "speculative_tokens": 4,
+                                              "speculative_timed": False}))
     batches: list[ScheduledBatch] = []
     schedule = spec.scheduler.schedule
 

@@ -23,7 +23,8 @@ from workers.tracing import WorkerTracing
 
 @pytest.mark.asyncio
 async def test_worker_metrics_report_drafted_and_accepted_tokens(aiohttp_client, tiny: LoadedModel) -> None:
-    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8, speculative="ngram"), name="tiny"))
+    engine = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64, block_size=8, speculative="ngram",
+                                                                speculative_timed=False), name="tiny"))
     try:
         client = await aiohttp_client(create_worker_app(engine, secret="s"), headers={"Authorization": "Bearer s"})
         body = {"request_id": "r1", "namespace": "t", "prompt_token_ids": list(range(5, 15)) * 4,
@@ -53,7 +54,7 @@ async def test_the_request_span_carries_drafted_and_accepted_tokens(aiohttp_clie
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("worker")
-    config = EngineConfig(num_blocks=64, block_size=8, speculative=mode)  # type: ignore[arg-type]
+    config = EngineConfig(num_blocks=64, block_size=8, speculative=mode, speculative_timed=False)  # type: ignore[arg-type]
     engine = AsyncEngine(Engine(tiny, config, name="tiny", tracer=tracer))
     try:
         client = await aiohttp_client(create_worker_app(engine, WorkerTracing(tracer), secret="s"),
