@@ -9,7 +9,8 @@ Workloads, each run off then on in the same process (after one warm-up run each)
 Printed per workload and mode: output tok/s, speed-up, acceptance rate (accepted / drafted), mean
 accepted length (accepted per verification), how many steps verified drafts on the fused native
 decode step (as one-token rows, workers/engine/decode_rows.py) and how many steps the run took, and
-whether the greedy tokens were identical.
+whether the greedy tokens were identical; "timed off": the steps in which the speculation governor
+(workers/engine/spec_governor.py) kept drafts off because steps with drafts measured slower.
 
     .venv/bin/python ops/bench/speculative.py [--home .tollway] [--device auto|cpu|cuda] [--tokens 4] [--output 128]
 """
@@ -67,7 +68,9 @@ def run(loaded: LoadedModel, prompts: list[list[int]], output: int, mode: str, t
     seconds = time.perf_counter() - start
     engine.check_integrity()
     assert engine.all_blocks_free_or_evictable()
-    stats = {**engine.spec_stats.as_dict(), "fused_steps": engine.runner.fused_verifications, "steps": steps}
+    governor = engine.spec_governor
+    stats = {**engine.spec_stats.as_dict(), "fused_steps": engine.runner.fused_verifications, "steps": steps,
+             "governed_off": governor.steps_off if governor is not None else 0}
     return sum(s.output_len for s in seqs) / seconds, [s.output_ids for s in seqs], stats
 
 
@@ -94,7 +97,7 @@ def main() -> None:
     print(f"model {folder.name}  {loaded.model.dtype} on {device}  k={args.tokens}  torch threads "
           f"{torch.get_num_threads()}")
     print(f"{'workload':28} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>9} {'accept':>7} {'mean len':>9}"
-          f" {'fused/steps':>12} identical")
+          f" {'fused/steps':>12} {'timed off':>9} identical")
     for name, (prompts, output) in workloads.items():
         for mode in ("off", "ngram"):  # warm-up
             run(loaded, prompts[:1], 8, mode, args.tokens)
@@ -102,7 +105,7 @@ def main() -> None:
         on_rate, on_ids, stats = run(loaded, prompts, output, "ngram", args.tokens)
         print(f"{name:28} {off_rate:10.1f} {on_rate:10.1f} {on_rate / off_rate:8.2f}x "
               f"{stats['acceptance_rate']:7.1%} {stats['mean_accepted_length']:9.2f} "
-              f"{stats['fused_steps']:>5}/{stats['steps']:<6} {on_ids == off_ids}")
+              f"{stats['fused_steps']:>5}/{stats['steps']:<6} {stats['governed_off']:>9} {on_ids == off_ids}")
 
 
 if __name__ == "__main__":
