@@ -11,7 +11,7 @@ its split, output tokens per second and tokens computed per second. First the vi
 idle engine (its TTFT reference). With `--weighted` a last fair run gives the second tenant
 weight 2 (its raw service should be twice the aggressor's).
 
-    .venv/bin/python ops/bench/fairness.py [--model tiny] [--steps 1000 --kv-blocks 128 --flood 48 --weighted]
+    .venv/bin/python ops/bench/fairness.py [--model tiny] [--dtype auto] [--steps 1000 --kv-blocks 128 --flood 48 --weighted]
 """
 
 from __future__ import annotations
@@ -157,6 +157,8 @@ def main() -> None:
                         help="a model name or folder; `tiny`: a random-weight 4-layer Llama (same scheduling, cheaper steps)")
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")))
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="the model's dtype (auto: bf16 where the CPU computes it natively)")
     parser.add_argument("--steps", type=int, default=1000, help="engine steps per flood run (the victim alone: 200)")
     parser.add_argument("--kv-blocks", type=int, default=128, help="KV blocks of 8 tokens (small: contended)")
     parser.add_argument("--max-batch-tokens", type=int, default=128)
@@ -173,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     device = resolve_device(args.device)
-    dtype = resolve_dtype("auto", device)
+    dtype = resolve_dtype(args.dtype, device)
     if args.model == "tiny":  # random weights, the real model's scheduling: for a machine too loaded for it
         folder = write_tiny_model_folder(Path(tempfile.mkdtemp()) / "tiny", "llama", seed=0, **TINY)
     else:
