@@ -29,6 +29,7 @@ using at::Half;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t kMaxGroup = 8;
+constexpr int64_t kPrefetch = 16;  // paged_decode: tokens ahead whose K/V rows are prefetched
 
 inline float reduce_add(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -93,6 +94,10 @@ inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
 // the tokens; K and V rows are re-read per query head, from L1/L2. The first version copied every
 // row into a buffer and accumulated V through memory: on a 2-core AVX2 host (fp32, batch 32 x 380
 // tokens, 30 layers' caches) this one takes 2/3 of its time (ops/bench/RESULTS.md, issue 21).
+//
+// The first query head prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
+// anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
+// AVX512 host this took the op over 30 scattered layers from 68 to 44 ms in bf16 (ops/bench/paged_decode.py).
 
 // Two float vectors (2W values) of a row of C from p; n_valid: W when the row holds fewer than 2W.
 template <typename C>
@@ -166,6 +171,14 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         float* s = scores.data() + g * L;
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
+          if (g == 0) {  // the first head fetches K and V rows kPrefetch tokens ahead (blocks are scattered)
+            for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
+              for (int64_t byte = 0; byte < D * int64_t(sizeof(C)); byte += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
+                __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
+              }
+            }
+          }
           Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), lo, hi;
           for (int64_t d = 0; d < D; d += P) {
             const Vec q0 = Vec::loadu(qf + d), q1 = P > W ? Vec::loadu(qf + d + W) : Vec(0.f);

@@ -1,0 +1,69 @@
+"""The native `paged_decode` op alone (issue 21): one decode step's attention over 30 layers' caches,
+the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8), in three layouts:
+
+- scattered: every sequence's blocks at random places, each layer its own cache (what a cache
+  that has served a while holds: freed, evicted and shared blocks), streamed from DRAM;
+- contiguous: each sequence's blocks in order (a fresh cache, prefilled sequence by sequence);
+- warm: the scattered layout, one layer's cache read 30 times (it stays in L2/L3: the op's compute).
+
+Prints the median of 10 timed rounds (after 2) per dtype and layout. To compare two versions of the
+kernel, run this from each checkout in turn (the library is built per source, `kernels/cpu/native/build.py`).
+
+    PYTHONPATH=. .venv/bin/python ops/bench/paged_decode.py [--batch 32 --context 380 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from kernels.cpu import native
+
+LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 8
+
+
+def time_layout(dtype: torch.dtype, batch: int, context: int, layout: str) -> float:
+    per_seq = (context + BLOCK - 1) // BLOCK
+    num_blocks = batch * per_seq + 8
+    distinct = 1 if layout == "warm" else LAYERS
+    keys = [torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(distinct)]
+    values = [torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(distinct)]
+    ids = list(range(num_blocks))
+    if layout != "contiguous":
+        random.Random(0).shuffle(ids)
+    tables = torch.tensor([ids[i * per_seq:(i + 1) * per_seq] for i in range(batch)], dtype=torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM).to(dtype)
+    rounds = []
+    for _ in range(12):
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            torch.ops.tollway_cpu.paged_decode(q, keys[layer % distinct], values[layer % distinct], tables, lens,
+                                               HEAD_DIM ** -0.5, 0)
+        rounds.append(time.perf_counter() - start)
+    return statistics.median(rounds[2:]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=380)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if not native.load():
+        raise SystemExit(f"the native kernels are not available here: {native.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    print(f"paged_decode, batch {args.batch} x {args.context} tokens, {LAYERS} layers, {args.threads} threads; "
+          f"torch capability {torch.backends.cpu.get_cpu_capability()}")
+    for dtype in (torch.bfloat16, torch.float32):
+        figures = "  ".join(f"{layout} {time_layout(dtype, args.batch, args.context, layout):6.1f} ms"
+                            for layout in ("scattered", "contiguous", "warm"))
+        print(f"{str(dtype).removeprefix('torch.'):9} {figures}")
+
+
+if __name__ == "__main__":
+    main()
