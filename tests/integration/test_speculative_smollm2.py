@@ -6,10 +6,16 @@ fused decode rows gives the eager extend step's logits and K/V (fp32, within sum
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from click.testing import CliRunner
 
+import ops.offline
 from kernels.cpu import native
+from ops.cli import cli
 from tests.required import unavailable
 from tests.verification_steps import verification_both_ways
 from workers.engine.config import EngineConfig
@@ -76,3 +82,27 @@ def test_fused_verification_step_equals_the_eager_extend_step(fp32, prompts) -> 
     assert torch.equal(rows.logits.argmax(-1), extend.logits.argmax(-1))
     for a, b in zip([*rows.kv.keys, *rows.kv.values], [*extend.kv.keys, *extend.kv.values], strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_tollway_generate_prints_the_same_text_with_speculation(model_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tollway generate` (fp32, greedy) with TOLLWAY_SPECULATIVE=ngram prints what it prints without;
+    the engine it built did verify drafts (so the test cannot pass with speculation silently off)."""
+    engines: list[Engine] = []
+
+    class Recorded(Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(ops.offline, "Engine", Recorded)
+    monkeypatch.setenv("TOLLWAY_HOME", str(model_home))
+    args = ["generate", "--chat", "--temperature", "0", "--dtype", "float32", "--max-tokens", "48", ASKS[0] + PASSAGE]
+    texts = {}
+    for mode in ("off", "ngram"):
+        monkeypatch.setenv("TOLLWAY_SPECULATIVE", mode)
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        texts[mode] = result.stdout
+    assert texts["ngram"] == texts["off"] and texts["off"].strip()
+    stats = engines[-1].spec_stats
+    assert engines[-1].config.speculative == "ngram" and stats.verifications > 0 and stats.accepted_tokens > 0
