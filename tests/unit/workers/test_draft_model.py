@@ -141,3 +141,13 @@ def test_settings_resolve_the_draft_model_or_refuse(monkeypatch: pytest.MonkeyPa
     assert config.speculative == "draft" and config.draft_model == str(folder)
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
     assert engine_config(WorkerSettings()).draft_model is None  # only `draft` loads it
+
+
+def test_seeded_sampled_requests_reproduce_with_a_draft_model(tiny, prompts, other_draft) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    config = EngineConfig(num_blocks=200, speculative="draft", draft_model=str(other_draft))
+    runs = [[s.output_ids for s in Engine(tiny, config).generate_batch(prompts, params)] for _ in range(2)]
+    assert runs[0] == runs[1]
+    engine = Engine(tiny, config)
+    engine.generate_batch(prompts, params)
+    assert engine.spec_stats.accepted_tokens > 0  # drafts were verified by rejection sampling
