@@ -38,9 +38,8 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
              stride: int | None, as_json: bool, file: Path) -> None:
     """Perplexity of a text FILE through the engine, in sliding windows (no server)."""
     from ops.cli import worker_settings
-    from ops.offline import engine_config, load_named_model
+    from ops.offline import build_engine, engine_config, load_named_model
     from ops.perplexity import perplexity, plan_windows
-    from workers.engine.engine import Engine
     from workers.models.tokenizer import tokenizer_payload
     from workers.wire.tokenizer import TextTokenizer
 
@@ -57,7 +56,7 @@ def eval_ppl(model: str | None, quantization: str | None, dtype: str | None, win
     loaded = load_named_model(settings, model, dtype or settings.dtype, stderr)
     tokenizer = TextTokenizer.from_payload(tokenizer_payload(loaded.folder))
     token_ids = tokenizer.encode(text)
-    engine = Engine(loaded, engine_config(settings, dtype or settings.dtype), name=model)
+    engine = build_engine(loaded, engine_config(settings, dtype or settings.dtype), model)
     window = window or engine.max_context
     if window > engine.max_context:
         raise click.UsageError(f"--window {window} exceeds the model's context of {engine.max_context} tokens")

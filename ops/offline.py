@@ -8,10 +8,12 @@ from contextlib import contextmanager
 
 import click
 import torch
+from opentelemetry.trace import Tracer
 from rich.console import Console
 
 from workers.engine.config import EngineConfig
-from workers.engine.drafter import make_drafter
+from workers.engine.draft_model import DraftModelError
+from workers.engine.drafter import check_speculative
 from workers.engine.engine import Engine
 from workers.models.assets import ModelFolderError, ModelNotFoundError, resolve_model_folder
 from workers.models.loader import LoadedModel, load_model
@@ -80,9 +82,16 @@ def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineC
     cache dtype this build cannot run (checked before any model loads). `dtype`: the model's dtype
     as the command was given it (`--dtype`), when not the settings' own."""
     try:
-        make_drafter(settings.speculative, settings.speculative_ngram)
+        check_speculative(settings.speculative, settings.draft_model)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    draft_model = None
+    if settings.speculative == "draft" and settings.draft_model:
+        try:  # its vocabulary is checked against the model's when the engine starts (`build_engine`)
+            draft_model = str(resolve_model_folder(settings.draft_model, settings.home, on_convert=lambda name: (
+                click.echo(f"Converting the draft model {name} once into {settings.home / 'models'}…", err=True))))
+        except (ModelNotFoundError, ModelFolderError) as exc:
+            raise click.ClickException(f"TOLLWAY_DRAFT_MODEL: {exc}") from exc
     if settings.speculative_tokens < 1:
         raise click.ClickException("TOLLWAY_SPECULATIVE_TOKENS must be at least 1")
     try:  # the engine checks again with the loaded model's own dtype and device
@@ -96,8 +105,17 @@ def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineC
                         attention=settings.attention, compile=settings.compile, scheduling=settings.scheduling,
                         max_running_per_tenant=settings.max_running_per_tenant,
                         speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,
-                        speculative_ngram=settings.speculative_ngram,
+                        speculative_ngram=settings.speculative_ngram, draft_model=draft_model,
                         speculative_max_batch=settings.speculative_max_batch)
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig, name: str, tracer: Tracer | None = None) -> Engine:
+    """The engine on `loaded`; a ClickException for settings it refuses only with the model at hand
+    (a draft model that does not share the model's tokenizer)."""
+    try:
+        return Engine(loaded, config, name=name, tracer=tracer)
+    except DraftModelError as exc:
+        raise click.ClickException(f"TOLLWAY_DRAFT_MODEL: {exc}") from exc
 
 
 def run_generate(
@@ -120,7 +138,7 @@ def run_generate(
                           else tokenizer.encode(prompt))
         except ChatTemplateError as exc:
             raise click.ClickException(str(exc)) from exc
-        engine = Engine(loaded, engine_config(settings, dtype), name=model)
+        engine = build_engine(loaded, engine_config(settings, dtype), name=model)
         if len(prompt_ids) + max_tokens > engine.max_context:
             raise click.UsageError(
                 f"prompt ({len(prompt_ids)} tokens) + --max-tokens ({max_tokens}) exceeds the "

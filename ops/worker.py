@@ -5,11 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 from rich.console import Console
 
-from ops.offline import engine_config, serving_model
+from ops.offline import build_engine, engine_config, serving_model
 from ops.startup_heap import frozen_startup_heap
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
 from workers.models.loader import LoadedModel
 from workers.server.app import create_worker_app
 from workers.settings import WorkerSettings
@@ -32,7 +31,7 @@ def serve(settings: WorkerSettings, loaded: LoadedModel, config: EngineConfig, s
     """Serve `loaded` (this process's model, or rank 0's shard of a tensor parallel one) as model id `name`
     until stopped."""
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
-    core = Engine(loaded, config, name=name, tracer=tracing.tracer if tracing is not None else None)
+    core = build_engine(loaded, config, name, tracer=tracing.tracer if tracing is not None else None)
     core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
     engine = AsyncEngine(core)
     info = engine.info()

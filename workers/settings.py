@@ -57,7 +57,10 @@ class WorkerSettings(TracingSettings):
     speculative: Literal["off", "ngram", "draft"] = "off"
     """Speculative decoding (workers/engine/speculative.py): off, ngram (prompt lookup: drafts copied from the
     request's own context, verified in the batched step; outputs exactly as without), draft (a second, smaller
-    model: not built yet, refused at startup)."""
+    model, TOLLWAY_DRAFT_MODEL, drafts by greedy decoding: workers/engine/draft_model.py)."""
+    draft_model: str | None = None
+    """The draft model of TOLLWAY_SPECULATIVE=draft: a model name (as TOLLWAY_MODEL) or a local folder. It must
+    share the model's tokenizer (checked at startup); it runs in the model's dtype on its device."""
     speculative_tokens: int = 4
     """Draft tokens proposed per sequence and step (k)."""
     speculative_ngram: int = 3

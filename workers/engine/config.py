@@ -33,6 +33,7 @@ class EngineConfig:
     speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
     speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)
     speculative_ngram: int = 3  # the ngram drafter's longest match (n); it tries n, n-1, ..., 1
+    draft_model: str | None = None  # the draft model's folder (speculative `draft`; workers/engine/draft_model.py)
     speculative_max_batch: int = 16  # nobody drafts while more sequences than this decode (compute-bound)
     # Drafting backs off where measured steps say it loses (workers/engine/spec_governor.py); False:
     # acceptance and batch size alone decide (deterministic, for tests that count verifications).

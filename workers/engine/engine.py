@@ -25,6 +25,7 @@ from workers.engine.batch import StepUpdate
 from workers.engine.config import EngineConfig
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
 from workers.engine.detokenize import OutputText
+from workers.engine.draft_model import DraftTarget
 from workers.engine.drafter import make_drafter
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.phase_spans import PhaseSpans, TraceParent
@@ -51,7 +52,10 @@ class Engine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.grammars = GrammarCompiler(loaded.folder, c.vocab_size, loaded.eos_token_ids)
         self.masks = GrammarMasks(c.vocab_size)
-        self.drafter = make_drafter(config.speculative, config.speculative_ngram)  # None: off
+        # None: off. A draft model is checked against this model and runs in its dtype on its device.
+        self.drafter = make_drafter(config.speculative, config.speculative_ngram, config.draft_model,
+                                    DraftTarget(c.vocab_size, loaded.model.dtype, loaded.model.device,
+                                                loaded.folder / "tokenizer.json"))
         # Drafting's back-off by measured step cost (None: speculation off, or timing left out by config).
         self.spec_governor = SpeculationGovernor() if self.drafter is not None and config.speculative_timed else None
         self.spec_stats = speculative.SpecStats()

@@ -88,7 +88,7 @@ def propose_drafts(running: list[Sequence], drafter: Drafter, k: int, max_batch:
     for seq in decoding:
         off = crowded or not eligible(seq) or (timed_off and SpeculationGovernor.governs(seq))
         budget = 0 if off else draft_budget(seq, k, max_context)
-        seq.draft_ids = drafter.propose(seq.all_ids, budget) if budget and wants_draft(seq) else []
+        seq.draft_ids = drafter.propose(seq.all_ids, budget, seq) if budget and wants_draft(seq) else []
 
 
 def record(seq: Sequence, drafted: int, accepted: int) -> None:

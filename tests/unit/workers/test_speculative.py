@@ -113,8 +113,10 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match() -> None:
     assert drafter.propose([1, 2, 3, 4], 4) == []
     assert drafter.propose([4, 1, 4], 4) == [1, 4]  # a match near the end proposes what there is
     assert make_drafter("off") is None
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="needs TOLLWAY_DRAFT_MODEL"):
         make_drafter("draft")
+    with pytest.raises(ValueError, match="must be one of off, ngram, draft"):
+        make_drafter("medusa")  # type: ignore[arg-type]
 
 
 def test_block_table_truncate_gives_back_blocks_wholly_beyond() -> None:

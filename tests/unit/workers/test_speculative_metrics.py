@@ -75,7 +75,7 @@ async def test_the_request_span_carries_drafted_and_accepted_tokens(aiohttp_clie
     assert span.attributes["gen_ai.usage.output_tokens"] == 48
 
 
-def test_settings_pass_speculation_and_refuse_the_unbuilt_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_pass_speculation_and_refuse_a_draft_mode_without_a_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
     monkeypatch.setenv("TOLLWAY_SPECULATIVE_TOKENS", "6")
     monkeypatch.setenv("TOLLWAY_SPECULATIVE_MAX_BATCH", "1")
@@ -83,7 +83,8 @@ def test_settings_pass_speculation_and_refuse_the_unbuilt_draft_model(monkeypatc
     assert config.speculative == "ngram" and config.speculative_tokens == 6 and config.speculative_ngram == 3
     assert config.speculative_max_batch == 1
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "draft")
-    with pytest.raises(click.ClickException, match="not built yet"):
+    monkeypatch.delenv("TOLLWAY_DRAFT_MODEL", raising=False)
+    with pytest.raises(click.ClickException, match="needs TOLLWAY_DRAFT_MODEL"):
         engine_config(WorkerSettings())
     monkeypatch.setenv("TOLLWAY_SPECULATIVE", "ngram")
     monkeypatch.setenv("TOLLWAY_SPECULATIVE_TOKENS", "0")
