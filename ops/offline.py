@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 import torch
@@ -30,6 +31,13 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
+def resolve_named(settings: WorkerSettings, model: str, say: Callable[[str], None]) -> Path:
+    """The folder of `model` (a name or path), converting it once under the home first if needed,
+    with a line to `say` before that (slow) conversion."""
+    return resolve_model_folder(model, settings.home, on_convert=lambda name: say(
+        f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"))
+
+
 def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: Console) -> LoadedModel:
     """Resolve (converting once if needed) and load a model onto the settings' device, quantized as
     the settings say, with progress on the console."""
@@ -41,13 +49,7 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
     try:
         quantized = "" if settings.quantization == "none" else f" ({settings.quantization})"
         with console.status(f"Loading {model}{quantized}…"):
-            folder = resolve_model_folder(
-                model,
-                settings.home,
-                on_convert=lambda name: console.print(
-                    f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"
-                ),
-            )
+            folder = resolve_named(settings, model, console.print)
             return load_model(folder, resolve_dtype(dtype, device), device, settings.quantization)
     except (ModelNotFoundError, ModelFolderError, QuantizationError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -67,8 +69,7 @@ def serving_model(settings: WorkerSettings, model: str, dtype: str, console: Con
     try:
         device = resolve_device(settings.device)
         with console.status(f"Starting {size} tensor parallel ranks of {model}…"):
-            folder = resolve_model_folder(model, settings.home, on_convert=lambda name: console.print(
-                f"Converting {name} once into {settings.home / 'models'} (about 20 s)…"))
+            folder = resolve_named(settings, model, console.print)
             run = start_tensor_parallel(folder, resolve_dtype(dtype, device), device, size, settings.attention,
                                         settings.num_threads, settings.quantization)
     except (ModelNotFoundError, ModelFolderError, TensorParallelError) as exc:
@@ -88,8 +89,7 @@ def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineC
     draft_model = None
     if settings.speculative == "draft" and settings.draft_model:
         try:  # its vocabulary is checked against the model's when the engine starts (`build_engine`)
-            draft_model = str(resolve_model_folder(settings.draft_model, settings.home, on_convert=lambda name: (
-                click.echo(f"Converting the draft model {name} once into {settings.home / 'models'}…", err=True))))
+            draft_model = str(resolve_named(settings, settings.draft_model, lambda line: click.echo(line, err=True)))
         except (ModelNotFoundError, ModelFolderError) as exc:
             raise click.ClickException(f"TOLLWAY_DRAFT_MODEL: {exc}") from exc
     if settings.speculative_tokens < 1:
