@@ -11,7 +11,7 @@ preemption changed, fall away by themselves), the rest goes in in one forward, t
 forwards draw the draft. Invariant: the cache holds exactly the K/V of `consumed`.
 
 A state lives in a `WeakKeyDictionary` keyed by the `Sequence` (hashable by identity) and is dropped
-as soon as its sequence finishes (or is garbage), so a finished request's cache goes at the next proposal.
+when its sequence is garbage, or, finished, when the next sequence's state is made.
 Sequences draft one after another: batching the draft across sequences is left for later.
 """
 
@@ -100,7 +100,6 @@ class ModelDrafter:
     def propose(self, token_ids: Seq[int], k: int, key: Sequence | None = None) -> list[int]:
         """The draft's greedy continuation of `token_ids`, k tokens (fewer near its context's end).
         With `key` (the sequence), its cache is reused across calls; without, a fresh one serves this call."""
-        self._drop_finished()
         k = min(k, self.max_positions - len(token_ids))
         if k <= 0 or not token_ids:
             return []
@@ -110,6 +109,7 @@ class ModelDrafter:
         if state is None:
             state = _State(DynamicCache())
             if key is not None:
+                self._drop_finished()  # once per new sequence, not on every proposal
                 self.states[key] = state
         tokens = list(token_ids)
         # keep the K/V of the common prefix, but always feed at least the newest token (its logits start the draft)

@@ -108,7 +108,7 @@ def test_a_cached_proposal_is_a_fresh_one(tiny, other_draft, prompts) -> None:
     assert drafter.propose(tokens, 0, seq) == []
     seq.status = Status.FINISHED
     drafter.propose(tokens, 2, Sequence("y", tokens, GREEDY))
-    assert seq not in drafter.states  # a finished sequence's cache goes at the next proposal
+    assert seq not in drafter.states  # a finished sequence's cache goes when the next sequence's state is made
 
 
 def test_draft_model_refused_without_the_models_tokenizer(tiny, tmp_path: Path) -> None:
