@@ -42,6 +42,7 @@ from workers.models.assets import resolve_model_folder
 from workers.models.loader import load_model
 from workers.models.packed_linear import PackedLinear, packing_kind
 from workers.models.quantize import INT4_GROUP_SIZE, QUANTIZATIONS
+from workers.models.quantized_head import QuantizedHead
 from workers.models.quantized_linear import QuantizedLinear
 from workers.precision import resolve_dtype
 from workers.wire.sampling import SamplingParams
@@ -165,6 +166,8 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             total += module.nbytes() - (module.bias.numel() * module.bias.element_size() if module.bias is not None else 0)
+        elif isinstance(module, QuantizedHead):  # its int8 copy (the float head is a parameter, counted above)
+            total += module.nbytes()
     return total
 
 

@@ -21,6 +21,7 @@ from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from workers.models import fused_decode
 from workers.models.config import ModelConfig
+from workers.models.quantized_head import head_approximates
 from workers.models.rope import RotaryTable, apply_rotary
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -185,10 +186,12 @@ class LlamaForCausalLM(nn.Module):
         positions of a chat prompt). So the REFINED_TOP largest logits of each row are recomputed
         in fp32 (their weight rows upcast: [n, k, H], cheap) and written back: the argmax, the top
         logprobs and nearly all the probability mass are then exact, with no fp32 copy of the head.
+        The same refinement makes a quantized model's int8 head (workers/models/quantized_head.py)
+        exact where it matters, in fp32 too.
         """
         normed = self.norm(hidden)
         logits = self.lm_head(normed).float()
-        if self.dtype == torch.float32:
+        if self.dtype == torch.float32 and not head_approximates(self.lm_head, normed.shape[0]):
             return logits
         exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
         top = logits.topk(min(REFINED_TOP, logits.shape[-1]), dim=-1).indices  # [n, k]

@@ -80,13 +80,16 @@ def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Ten
 def pack_linears(model: LlamaForCausalLM, batch_hint: int = 32) -> bool:
     """Replace every decoder layer's projections and the LM head by packed ones (once: a packed
     model is left as it is; so are quantized projections, `QuantizedLinear`s, which bring their own
-    packing). False when the CPU offers no packing for the model's dtype."""
+    packing; a quantized head's float head is packed). False when the CPU offers no packing for the
+    model's dtype."""
     weight = model.lm_head.weight
     kind = packing_kind(weight.dtype)
     if kind is None or weight.device.type != "cpu":
         return False
     owners = [(layer, name) for layer in model.layers for name in PACKED_PROJECTIONS]
-    for owner, name in [*owners, (model, "lm_head")]:
+    # A quantized model's head (QuantizedHead) keeps its float head for prefill: that one is packed.
+    head_owner = (model.lm_head, "float_head") if hasattr(model.lm_head, "float_head") else (model, "lm_head")
+    for owner, name in [*owners, head_owner]:
         linear = getattr(owner, name, None)  # MoE layers have no dense gate_up/down projections
         if isinstance(linear, nn.Linear):
             setattr(owner, name, PackedLinear(linear, kind, batch_hint))

@@ -2,9 +2,12 @@
 
 What is quantized: every decoder layer's four projections (qkv_proj, o_proj, gate_up_proj,
 down_proj: ~80% of SmolLM2-135M's weight bytes once the tied embedding is counted once). The
-embeddings and the LM head stay in the model dtype: the head is tied to the embeddings in the
+embeddings and the float LM head stay in the model dtype: the head is tied to the embeddings in the
 built-in model (one tensor serves both), a row lookup gains nothing from a matmul kernel, and the
-bf16 logits refinement (`LlamaForCausalLM.logits`) reads exact `lm_head.weight` rows.
+logits refinement (`LlamaForCausalLM.logits`) reads exact `lm_head.weight` rows. On a CPU with the
+native kernels the head also gets an int8 copy for decode steps of a few rows, whose top logits that
+refinement makes exact (workers/models/quantized_head.py), in both formats: llama.cpp likewise keeps
+the built-in GGUF's tied head in 8 bits (Q8_0).
 
 - int8: symmetric, one scale per output channel (`quantize_int8`): error at most half a step,
   max |w_row| / 254, per weight.
@@ -32,8 +35,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.cpu import native
 from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from workers.models.llama import FUSED_PROJECTIONS, DecoderLayer, LlamaForCausalLM, fused_weight
+from workers.models.quantized_head import QuantizedHead
 from workers.models.quantized_linear import QuantizedLinear
 
 if TYPE_CHECKING:  # the gguf package (and its yaml) is imported only when a GGUF is read
@@ -126,6 +131,8 @@ def quantize_model(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], qu
                 summary.from_gguf += 1
             old = getattr(layer, name)
             setattr(layer, name, QuantizedLinear(weight, old.bias, model.dtype, model.device))
+    if model.device.type == "cpu" and native.load() and model.lm_head.bias is None:
+        model.lm_head = QuantizedHead(model.lm_head, model.dtype)
     release_freed_heap()
     return summary
 

@@ -1,0 +1,97 @@
+"""The int8 LM head of a quantized model (workers/models/quantized_head.py): the int8 copy for steps
+of a few rows, the float head beyond; its logits within int8's rounding, refined to the float head's
+where it matters (the top of each row); greedy tokens of the engine unchanged; the float head packed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import native
+from kernels.quantized.layout import dequantize, quantize_int8
+from tests.required import unavailable
+from workers.engine.engine import Engine, EngineConfig
+from workers.models.llama import REFINED_TOP
+from workers.models.loader import load_model
+from workers.models.packed_linear import PackedLinear, packing_kind
+from workers.models.quantized_head import QUANTIZED_HEAD_MAX_ROWS, QuantizedHead, head_approximates
+from workers.models.tiny import write_tiny_model_folder
+from workers.wire.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 33, 65, 3], [7, 7, 8, 100, 2, 14, 90, 4, 4, 11, 12], [40, 41, 42]]
+
+
+@pytest.fixture(autouse=True)
+def needs_native() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model_folder(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_run_the_int8_copy_and_more_rows_the_float_head(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 200, bias=False)  # 200 rows: not a whole number of the kernel's tiles of 8
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 64, generator=gen) * 0.2)
+    linear = linear.to(dtype)
+    head = QuantizedHead(linear, dtype)
+    int8_weight = dequantize(quantize_int8(linear.weight.float()))
+    limit = QUANTIZED_HEAD_MAX_ROWS[dtype]
+    for rows in (1, limit, limit + 1, 32):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        out = head(x)
+        assert out.shape == (rows, 200) and out.dtype == dtype
+        if rows <= limit:
+            assert head_approximates(head, rows)
+            tolerance = 1e-5 if dtype == torch.float32 else 0.02  # bf16: the output's own rounding
+            torch.testing.assert_close(out.float(), F.linear(x.float(), int8_weight), atol=tolerance, rtol=tolerance)
+            assert not torch.equal(out, linear(x))  # the int8 copy really ran: it rounds the weights
+        else:
+            assert not head_approximates(head, rows)
+            assert torch.equal(out, linear(x))
+    assert head.weight is linear.weight and head.nbytes() < 200 * 64 + 200 * 8  # a byte a weight, a scale a row
+    assert not head_approximates(linear, 1)
+
+
+def test_logits_are_refined_to_the_float_heads_at_the_top_and_within_int8s_rounding_elsewhere(folder: Path) -> None:
+    reference = load_model(folder, torch.float32).model
+    model = load_model(folder, torch.float32).model
+    model.lm_head = QuantizedHead(model.lm_head, torch.float32)
+    hidden = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 3
+    got, expected = model.logits(hidden), reference.logits(hidden)
+    top = expected.topk(REFINED_TOP // 4, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), expected.gather(1, top), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    # elsewhere: |error| <= sum_k |h_k| * (that row's step / 2), the step max |w_row| / 127
+    normed = reference.norm(hidden)
+    steps = reference.lm_head.weight.abs().amax(dim=1) / 127
+    bound = normed.abs().sum(dim=1, keepdim=True) * steps[None, :] / 2 + 1e-5
+    assert ((got - expected).abs() <= bound).all()
+    assert (got - expected).abs().max() > 1e-4  # and the int8 copy did compute them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_greedy_tokens_match_the_float_head_and_its_float_head_is_packed(folder: Path,
+                                                                                dtype: torch.dtype) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for quantized_head in (True, False):
+        loaded = load_model(folder, dtype, quantization="int8")
+        assert isinstance(loaded.model.lm_head, QuantizedHead)
+        if not quantized_head:
+            loaded.model.lm_head = loaded.model.lm_head.float_head
+        engine = Engine(loaded, EngineConfig(num_blocks=200, attention="native"))
+        if quantized_head and packing_kind(dtype) is not None:
+            assert isinstance(loaded.model.lm_head.float_head, PackedLinear)
+        outputs.append([s.output_ids for s in engine.generate_batch(PROMPTS, params)])
+        engine.check_integrity()
+    assert outputs[0] == outputs[1]
