@@ -15,6 +15,12 @@ Two kernels, chosen per layer at packing (`pack_for_cpu(kernel=...)`, "auto" by 
   vectorized (fp32 runs a scalar loop: ops/bench/RESULTS.md, "Issue 22").
 
 "auto" takes native where the native library loads (kernels.cpu.native.load()) and torch elsewhere.
+
+For bf16 activations on a CPU with AVX512-VNNI the native row kernel is the `*_matmul_q8` one
+(kernels/cpu/native/quantized_vnni.cpp): x quantized to int8 per block of 32 columns (llama.cpp's
+Q8_0), the products as integer multiply-adds, 1.1-1.8x the float row kernel's speed at 1-8 rows on a
+2-core AVX512-BF16 host (ops/bench/RESULTS.md, "Issue 22"). x's rounding is of the order of bf16's own;
+fp32 models keep the float kernels, whose results are the dequantized model's to summation order.
 Ownership: a `CpuPacked` is built once per layer at load and owns its tensors; the layout's
 `QuantizedWeight` it came from can be dropped afterwards.
 """
@@ -62,6 +68,8 @@ class CpuPacked:
     dtype: torch.dtype
     shape: tuple[int, int]
     """(N, K) of the float weight."""
+    int8_activations: bool = False
+    """native only: the row kernel quantizes x to int8 (the *_matmul_q8 ops; bf16 on AVX512-VNNI)."""
 
     def nbytes(self) -> int:
         parts = [self.weight, self.scales] + ([self.mins] if self.mins is not None else [])
@@ -123,12 +131,13 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
                          f"not {weight.group_size}")
     kernel = choose_kernel(kernel, weight, dtype)
     if kernel == "native":
+        q8 = int8_activations(dtype, k)
         if weight.bits == 8:
             return CpuPacked("native", 8, native_tiles(weight.qweight, 8), native_scale_tiles(weight.scales).view(-1, 8),
-                             None, k, dtype, (n, k))
+                             None, k, dtype, (n, k), q8)
         assert weight.mins is not None  # int4 weights carry mins (QuantizedWeight checks it)
         return CpuPacked("native", 4, native_tiles(unpack_int4(weight.qweight), 4), native_scale_tiles(weight.scales),
-                         native_scale_tiles(weight.mins), weight.group_size, dtype, (n, k))
+                         native_scale_tiles(weight.mins), weight.group_size, dtype, (n, k), q8)
     if weight.bits == 8:
         scales = weight.scales.reshape(n).to(dtype).contiguous()
         return CpuPacked("torch", 8, weight.qweight.contiguous(), scales, None, k, dtype, (n, k))
@@ -141,6 +150,11 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
     zeros = weight.mins.float() + 8 * scales
     scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).to(dtype).contiguous()
     return CpuPacked("torch", 4, packed, scales_and_zeros, None, weight.group_size, dtype, (n, k))
+
+
+def int8_activations(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether native row kernels for activations of `dtype` take x as int8 (the *_matmul_q8 ops)."""
+    return dtype == torch.bfloat16 and in_features % 32 == 0 and native.vnni()
 
 
 def dequantize_native(packed: CpuPacked) -> torch.Tensor:
@@ -158,6 +172,11 @@ def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     if packed.kernel == "native":
         if x.shape[0] >= DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]:
             return F.linear(x, dequantize_native(packed))
+        if packed.int8_activations:
+            if packed.bits == 8:
+                return torch.ops.tollway_cpu.int8_matmul_q8(x, packed.weight, packed.scales, packed.shape[0])
+            return torch.ops.tollway_cpu.int4_matmul_q8(x, packed.weight, packed.scales, packed.mins, packed.shape[0],
+                                                        packed.group_size)
         if packed.bits == 8:
             return torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales, packed.shape[0])
         return torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, packed.shape[0],

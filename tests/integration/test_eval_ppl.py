@@ -66,6 +66,21 @@ def test_quantized_perplexity_stays_near_the_unquantized(model_home: Path, monke
 
 
 @pytest.mark.slow
+def test_quantized_perplexity_in_decode_sized_bf16_steps_stays_near_the_unquantized(
+        model_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 8 rows run the quantized row kernels (below DEQUANTIZE_FROM_ROWS), with x quantized to
+    int8 per block where the CPU has AVX512-VNNI (kernels/cpu/native/quantized_vnni.cpp): the bounds hold
+    there too. (The test above runs whole-window steps, which dequantize and run one GEMM.)"""
+    monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "8")
+    figures = {q: eval_ppl(model_home, monkeypatch, "--quantization", q, "--dtype", "bfloat16")
+               for q in ("none", "int8", "int4")}
+    assert {f["tokens"] for f in figures.values()} == {figures["none"]["tokens"]}
+    assert figures["int8"]["perplexity"] <= 1.02 * figures["none"]["perplexity"]
+    assert figures["int4"]["perplexity"] <= 1.10 * figures["none"]["perplexity"]
+    assert figures["int4"]["perplexity"] != figures["none"]["perplexity"]  # the row kernels did run
+
+
+@pytest.mark.slow
 def test_float16_kv_cache_perplexity_stays_near_the_fp32_cache(model_home: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """TOLLWAY_KV_CACHE_DTYPE=float16 under the fp32 model (measured +0.01%; bfloat16 the same, RESULTS.md)."""

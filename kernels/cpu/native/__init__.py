@@ -14,7 +14,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `silu_mul(gate_up [N, 2I]) -> [N, I]`;
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
-  (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py).
+  (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py);
+- `int4_matmul_q8` / `int8_matmul_q8` (same arguments): the same products with x quantized to int8 per
+  block of 32, on AVX512-VNNI integer multiply-adds (`quantized_vnni.cpp`; where `vnni()` says so).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
 extends (prefill chunks) run on the torch CPU path.
@@ -40,7 +42,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}
 """For each compute dtype, the cache dtypes the attention ops read and write."""
 
-__all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason"]
+__all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason", "vnni"]
 
 
 @cache
@@ -64,6 +66,12 @@ def load() -> bool:
 def unavailable_reason() -> str | None:
     """Why `load()` failed, or None when the ops are loaded."""
     return _load()
+
+
+@cache
+def vnni() -> bool:
+    """Whether the *_matmul_q8 ops run here: the library is loaded and the CPU has AVX512-VNNI."""
+    return load() and bool(torch.ops.tollway_cpu.vnni_available())
 
 
 def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype,

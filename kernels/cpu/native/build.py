@@ -28,8 +28,9 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("tollway_cpu.cpp"), Path(__file__).with_name("quantized_matmul.cpp"))
-"""Compiled together into one library: the decode step's ops and the weight-only quantized matmuls."""
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("tollway_cpu.cpp", "quantized_matmul.cpp", "quantized_vnni.cpp"))
+"""Compiled together into one library: the decode step's ops and the weight-only quantized matmuls (the
+VNNI ones compiled for that extension alone and called only where the CPU has it)."""
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],

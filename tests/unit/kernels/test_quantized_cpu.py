@@ -43,7 +43,62 @@ def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dty
     w = dequantize(weight)
     expected = F.linear(x.float(), w)
     bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-6
+    if packed.int8_activations and m < 16:  # the q8 row kernel: plus x's rounding, half its block's step
+        bound += (_q8_steps(x) / 2) @ w.abs().T
     assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
+
+
+def _q8_steps(x: torch.Tensor) -> torch.Tensor:
+    """Each column's int8 step when x is quantized per row and block of 32: max |x_block| / 127."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    return (blocks.abs().amax(dim=-1, keepdim=True) / 127).expand_as(blocks).reshape(x.shape)
+
+
+def _q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the q8 kernels see it: rounded to its block's int8 step (round half to even), as floats."""
+    steps = _q8_steps(x)
+    return torch.where(steps > 0, torch.round(x.float() / torch.where(steps > 0, steps, 1)), 0) * steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64)])
+def test_q8_kernels_are_the_dequantized_product_of_x_rounded_per_block(dtype: torch.dtype, bits: int,
+                                                                      group_size: int | None) -> None:
+    """The *_matmul_q8 ops compute (x rounded to int8 per block of 32) @ W.T exactly but for fp32
+    summation order; int4's min term takes x itself. Where the CPU has no AVX512-VNNI they refuse and
+    no packing chooses them."""
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    n, k = 99, 320  # tiles of 8 rows with a tail of 3; 10 blocks of 32
+    weight = _weight(bits, n, k, group_size or k, seed=7)
+    packed = pack_for_cpu(weight, torch.bfloat16, "native")
+    assert packed.int8_activations == native.vnni()
+    assert not pack_for_cpu(weight, torch.float32, "native").int8_activations  # fp32 models: the exact kernels
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if bits == 8:
+            return torch.ops.tollway_cpu.int8_matmul_q8(x, packed.weight, packed.scales, n)
+        return torch.ops.tollway_cpu.int4_matmul_q8(x, packed.weight, packed.scales, packed.mins, n, packed.group_size)
+
+    if not native.vnni():
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            run(torch.randn(1, k))
+        return
+    w = dequantize(weight)
+    mins = None if weight.mins is None else weight.mins.float().repeat_interleave(weight.group_size, dim=1)
+    for m in range(1, 10):  # passes of 4 rows and every remainder
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        x[0, 40:72] = 0  # a block of zeros: step 0
+        x = x.to(dtype)
+        out = run(x)
+        assert out.dtype == dtype and out.shape == (m, n)
+        if mins is None:
+            expected = _q8_rounded(x) @ w.T
+        else:  # scale * q rounds with x; min * sum(x) takes x as it is
+            expected = _q8_rounded(x) @ (w - mins).T + x.float() @ mins.T
+        bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-5
+        assert ((out.float() - expected).abs() <= bound).all(), (m, (out.float() - expected).abs().max())
+        assert not torch.allclose(out.float(), x.float() @ w.T, atol=1e-4)  # x was really rounded
 
 
 def test_one_hot_rows_read_the_layout_s_weights_back(kernel: str) -> None:

@@ -1,0 +1,256 @@
+// Weight-only quantized matmuls with int8 activations on AVX512-VNNI (issue 22), registered as
+// torch.ops.tollway_cpu.int4_matmul_q8 / int8_matmul_q8, and tollway_cpu::vnni_available.
+//
+// The weights are quantized_matmul.cpp's tiles, as they are. x [M, K] (fp32 or bf16; y in x's dtype)
+// is quantized per row and block of 32 columns to int8, llama.cpp's Q8_0 way: dx = max |x_blk| / 127,
+// xq = round(x / dx). Each block's dot products then run as integer multiply-adds (vpdpbusd: 64 u8 x
+// s8 products summed in fours into 16 int32 lanes per instruction), and the float work is one
+// conversion and one multiply-add per 16 lanes per block, against quantized_matmul.cpp's conversion,
+// scale multiply and multiply-add per 16 weights. The error this adds is x's rounding to 7 bits plus
+// sign per block, the order of bf16's own (8 bits per value); so the caller takes this path for bf16
+// models only (kernels/quantized/cpu.py), and fp32 models keep the exact kernels.
+//
+// Lane layout. A weight tile block holds 8 rows x 16 bytes; rows c and c + 1 (a "pair") are 32
+// adjacent bytes. One 512-bit operand carries a pair's 32 weights of one x block as 128-bit lanes
+// [row c k0..15 | row c+1 k0..15 | row c k16..31 | row c+1 k16..31] (int4: the block's low and high
+// nibbles; int8: tile blocks 2b and 2b + 1), and x's block is stored once, widened to the same
+// lanes: [k0..15 | k0..15 | k16..31 | k16..31]. Lanes 0-3 and 8-11 of a result are row c's, 4-7 and
+// 12-15 row c + 1's.
+//   int4: y[m, n] = sum_b scale[n, g(b)] dx[m, b] isum[m, n, b] + sum_g min[n, g] xsum[m, g]
+//         (codes 0..15 are the unsigned operand; xsum exact, from x itself).
+//   int8: codes w are signed: w ^ 0x80 = w + 128 is the unsigned operand, so
+//         y[m, n] = scale[n] (sum_b dx[m, b] isum'[m, n, b] - 128 sum_b dx[m, b] sum_{k in b} xq[m, k]).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kTile = 8;     // output rows per weight tile (quantized_matmul.cpp)
+constexpr int64_t kXBlock = 32;  // x columns per activation scale
+constexpr int64_t kMaxRows = 4;  // rows of x per pass over a tile: 4 x 4 accumulators
+
+bool vnni_available() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define TOLLWAY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// x rows quantized: xq [M, K / 32, 64] in the widened lane order, dx [M, K / 32], and per row
+// either xsum [M, G] (the exact sums of x per weight group: int4) or corr [M] (int8's offset term).
+struct QuantizedRows {
+  at::Tensor xq, dx, xsum, corr;
+};
+
+TOLLWAY_VNNI inline __m512 load_x16(const float* x) { return _mm512_loadu_ps(x); }
+TOLLWAY_VNNI inline __m512 load_x16(const c10::BFloat16* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+TOLLWAY_VNNI QuantizedRows quantize_rows(const at::Tensor& x, int64_t group, bool int4) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kXBlock;
+  QuantizedRows q{at::empty({M, nb, 64}, x.options().dtype(at::kChar)), at::empty({M, nb}, x.options().dtype(at::kFloat)),
+                  at::zeros({M, int4 ? K / group : 1}, x.options().dtype(at::kFloat)),
+                  at::zeros({M}, x.options().dtype(at::kFloat))};
+  const T* xp = x.data_ptr<T>();
+  int8_t* xq = q.xq.data_ptr<int8_t>();
+  float* dx = q.dx.data_ptr<float>();
+  float* xsum = q.xsum.data_ptr<float>();
+  float* corr = q.corr.data_ptr<float>();
+  const int64_t per_group = int4 ? group / kXBlock : 1;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 lo = load_x16(xp + m * K + b * kXBlock), hi = load_x16(xp + m * K + b * kXBlock + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // round to nearest even
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+      const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
+      int8_t* dst = xq + (m * nb + b) * 64;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), blo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), blo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), bhi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), bhi);
+      dx[m * nb + b] = d;
+      if (int4) {
+        xsum[m * (K / group) + b / per_group] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      } else {
+        corr[m] += 128.f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      }
+    }
+  }
+  return q;
+}
+
+TOLLWAY_VNNI inline float sum4(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// A pair's accumulator -> (row c's total: lanes 0-3 and 8-11, row c + 1's: lanes 4-7 and 12-15).
+TOLLWAY_VNNI inline void pair_sums(__m512 acc, float& first, float& second) {
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  first = sum4(_mm256_castps256_ps128(halves));
+  second = sum4(_mm256_extractf128_ps(halves, 1));
+}
+
+// R rows of x against one tile: sums[r][c] = sum_b (scale) dx[r, b] isum[r, c, b].
+template <int64_t R, bool kInt4>
+TOLLWAY_VNNI inline void tile_sums(const int8_t* xq, const float* dx, int64_t nb, int64_t per_group, const uint8_t* w,
+                                   const float* scale, float sums[R][kTile]) {
+  __m512 acc[R][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < 4; ++p) acc[r][p] = _mm512_setzero_ps();
+  const __m512i pair_index[4] = {
+      _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2),
+      _mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4),
+      _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6)};
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[4];
+    __m512 sv[4];
+    if constexpr (kInt4) {
+      const uint8_t* block = w + b * kTile * 16;
+      const __m512 scales8 = _mm512_castps256_ps512(_mm256_loadu_ps(scale + (b / per_group) * kTile));
+      for (int64_t p = 0; p < 4; ++p) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 32));
+        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        sv[p] = _mm512_permutexvar_ps(pair_index[p], scales8);
+      }
+    } else {
+      const uint8_t* first = w + 2 * b * kTile * 16;
+      const uint8_t* second = first + kTile * 16;
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int64_t p = 0; p < 4; ++p) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + p * 32));
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + p * 32));
+        wv[p] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1), flip);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xq + (r * nb + b) * 64);
+      const __m512 d = _mm512_set1_ps(dx[r * nb + b]);
+#pragma GCC unroll 4
+      for (int64_t p = 0; p < 4; ++p) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[p], xv));
+        acc[r][p] = _mm512_fmadd_ps(isum, kInt4 ? _mm512_mul_ps(sv[p], d) : d, acc[r][p]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t p = 0; p < 4; ++p) pair_sums(acc[r][p], sums[r][2 * p], sums[r][2 * p + 1]);
+}
+
+template <typename T, bool kInt4>
+TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, const at::Tensor& scales,
+                            const at::Tensor* mins, int64_t N, int64_t group, at::Tensor& out) {
+  const int64_t M = q.xq.size(0), nb = q.xq.size(1), K = nb * kXBlock, G = kInt4 ? K / group : 1;
+  const int64_t per_group = kInt4 ? group / kXBlock : 1, tile_bytes = kInt4 ? K * kTile / 2 : K * kTile;
+  const int8_t* xq = q.xq.data_ptr<int8_t>();
+  const float* dx = q.dx.data_ptr<float>();
+  const float* xsum = q.xsum.data_ptr<float>();
+  const float* corr = q.corr.data_ptr<float>();
+  const uint8_t* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  const float* s = scales.data_ptr<float>();
+  const float* mn = kInt4 ? mins->data_ptr<float>() : nullptr;
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, qweight.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, valid = std::min(kTile, N - n0);
+      const float* ts = s + t * G * kTile;
+      auto pass = [&]<int64_t R>(int64_t m0) {
+        float sums[R][kTile];
+        tile_sums<R, kInt4>(xq + m0 * nb * 64, dx + m0 * nb, nb, per_group, w + t * tile_bytes, ts, sums);
+        for (int64_t r = 0; r < R; ++r) {
+          alignas(32) float offsets[kTile] = {};  // int4: the tile's 8 rows' sum_g min[n, g] * xsum[r, g]
+          if constexpr (kInt4) {
+            __m256 mt = _mm256_setzero_ps();
+            for (int64_t g = 0; g < G; ++g) {
+              mt = _mm256_fmadd_ps(_mm256_loadu_ps(mn + (t * G + g) * kTile), _mm256_set1_ps(xsum[(m0 + r) * G + g]), mt);
+            }
+            _mm256_store_ps(offsets, mt);
+          }
+          for (int64_t c = 0; c < valid; ++c) {
+            const float value = kInt4 ? sums[r][c] + offsets[c] : (sums[r][c] - corr[m0 + r]) * ts[c];
+            y[(m0 + r) * N + n0 + c] = static_cast<T>(value);
+          }
+        }
+      };
+      int64_t m0 = 0;
+      for (; M - m0 >= kMaxRows; m0 += kMaxRows) pass.template operator()<kMaxRows>(m0);
+      if (M - m0 == 3) pass.template operator()<3>(m0);
+      if (M - m0 == 2) pass.template operator()<2>(m0);
+      if (M - m0 == 1) pass.template operator()<1>(m0);
+    }
+  });
+}
+#endif
+
+at::Tensor matmul_q8_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor* mins, int64_t N, int64_t group, bool int4, const char* op) {
+  TORCH_CHECK(vnni_available(), op, ": this CPU has no AVX512-VNNI (check tollway_cpu.vnni_available())");
+  const int64_t K = int4 ? qweight.size(1) / 4 : qweight.size(1) / kTile;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.size(0) == (N + kTile - 1) / kTile, op,
+              ": qweight must be contiguous tiles for ", N, " rows");
+  TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), op, ": qweight has the wrong dtype");
+  TORCH_CHECK(K % kXBlock == 0, op, ": K must be a multiple of 32, got ", K);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
+  const int64_t per_tile = int4 ? (K / group) * kTile : kTile;
+  TORCH_CHECK(!int4 || (group % kXBlock == 0 && K % group == 0), op, ": group must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == qweight.size(0) * per_tile,
+              op, ": scales must be contiguous fp32 tiles");
+  TORCH_CHECK(!int4 || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == scales.numel()),
+              op, ": mins must be contiguous fp32 tiles as the scales");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    const QuantizedRows q = quantize_rows<float>(xc, group, int4);
+    int4 ? matmul_q8<float, true>(q, qweight, scales, mins, N, group, out)
+         : matmul_q8<float, false>(q, qweight, scales, mins, N, group, out);
+  } else {
+    const QuantizedRows q = quantize_rows<c10::BFloat16>(xc, group, int4);
+    int4 ? matmul_q8<c10::BFloat16, true>(q, qweight, scales, mins, N, group, out)
+         : matmul_q8<c10::BFloat16, false>(q, qweight, scales, mins, N, group, out);
+  }
+#endif
+  return out;
+}
+
+at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t N, int64_t group) {
+  return matmul_q8_op(x, qweight, scales, &mins, N, group, true, "int4_matmul_q8");
+}
+
+at::Tensor int8_matmul_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t N) {
+  return matmul_q8_op(x, qweight, scales, nullptr, N, qweight.size(1) / kTile, false, "int8_matmul_q8");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
+  m.def("int4_matmul_q8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int n, int group) -> Tensor");
+  m.def("int8_matmul_q8(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
+  m.def("vnni_available() -> bool", &vnni_available);  // no tensor arguments: one kernel for every key
+}
+
+TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
+  m.impl("int4_matmul_q8", &int4_matmul_q8);
+  m.impl("int8_matmul_q8", &int8_matmul_q8);
+}
