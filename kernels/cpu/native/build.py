@@ -37,7 +37,9 @@ VECTOR_FLAGS = {
 }
 # -ffp-contract=off: no fused multiply-adds where the source does not ask for them, so the fp32
 # elementwise ops round as torch's eager ops do.
-BASE_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden",
+# -fopenmp: at::parallel_for is OpenMP pragmas inlined into our code; without it every op ran on one thread.
+# The library then needs libgomp.so.1, which torch has already loaded (its own copy): one OpenMP runtime.
+BASE_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden",
               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
 
 

@@ -20,6 +20,9 @@
 #include <tuple>
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -441,7 +444,22 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
+// How many threads an at::parallel_for over `n` items runs on here: the library's ops split their
+// work this way, and a build without OpenMP would run each on one thread (tests check it).
+int64_t parallel_threads(int64_t n) {
+  std::mutex lock;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    volatile double sink = 0;  // a little work, so one thread does not take every item before the others start
+    for (int i = 0; i < 200000; ++i) sink = sink + i;
+    std::lock_guard<std::mutex> hold(lock);
+    seen.insert(std::this_thread::get_id());
+  });
+  return static_cast<int64_t>(seen.size());
+}
+
 TORCH_LIBRARY(tollway_cpu, m) {
+  m.def("parallel_threads(int n) -> int", &parallel_threads);
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");

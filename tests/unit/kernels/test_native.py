@@ -152,3 +152,16 @@ def test_covers() -> None:
     assert not native.covers(80, 8, 8, torch.float32)  # head dim
     assert not native.covers(64, 16, 1, torch.float32)  # group of 16
     assert not native.covers(64, 8, 8, torch.float16)
+
+
+def test_the_ops_split_their_work_over_torch_s_threads() -> None:
+    """The ops parallelise with at::parallel_for, OpenMP pragmas compiled into the library: built
+    without OpenMP, every op ran on one thread whatever torch.get_num_threads() said."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.tollway_cpu.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert torch.ops.tollway_cpu.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
