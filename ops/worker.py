@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from aiohttp import web
 from rich.console import Console
 
@@ -22,18 +24,24 @@ def run_worker(settings: WorkerSettings, *, model: str, dtype: str, host: str, p
     worker's /internal/info reports and gateways route by."""
     secret, _ = load_or_create_worker_secret(settings.worker_secret, settings.home)
     config = engine_config(settings, dtype)  # refuses unusable settings before the model loads
-    with serving_model(settings, model, dtype, console) as loaded:
-        serve(settings, loaded, config, secret, name=served_name or model, host=host, port=port, console=console)
+    threads = settings.num_threads or os.cpu_count() or 1
+    # The engine thread alone runs torch's parallel work (AsyncEngine `threads`): this thread loads the
+    # model on one torch thread, so it never starts an OpenMP pool of its own. (Tensor parallel ranks
+    # already run one thread each.)
+    loading = settings if settings.tensor_parallel_size > 1 else settings.model_copy(update={"num_threads": 1})
+    with serving_model(loading, model, dtype, console) as loaded:
+        serve(settings, loaded, config, secret, name=served_name or model, host=host, port=port, console=console,
+              threads=threads)
 
 
 def serve(settings: WorkerSettings, loaded: LoadedModel, config: EngineConfig, secret: str, *, name: str, host: str,
-          port: int, console: Console) -> None:
+          port: int, console: Console, threads: int = 0) -> None:
     """Serve `loaded` (this process's model, or rank 0's shard of a tensor parallel one) as model id `name`
-    until stopped."""
+    until stopped; the engine computes on `threads` torch threads (0: as set)."""
     tracing = worker_tracing(settings)  # None unless TOLLWAY_TRACING / TOLLWAY_OTLP_ENDPOINT
     core = build_engine(loaded, config, name, tracer=tracing.tracer if tracing is not None else None)
     core.grammars.prepare()  # structured outputs' grammar library, loaded before serving
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, threads=threads)
     info = engine.info()
     quantized = "" if loaded.quantization == "none" else f", {loaded.quantization} weights"
     console.print(f"worker: {name} ({info['dtype']}{quantized} on {loaded.model.device}), {info['blocks']['total']} KV blocks "

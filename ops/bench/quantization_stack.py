@@ -14,7 +14,8 @@ its ratio to `none` against the issue's goals, TTFT p50, and each tollway worker
 `tollway worker` process) after the runs. llama-server runs with --slots (4) slots and 2 threads.
 
     PYTHONPATH=. .venv/bin/python ops/bench/quantization_stack.py [--home .tollway] [--repeats 3]
-        [--llama-server PATH] [--formats none,int8,int4] [--dtype auto] [--quick]
+        [--llama-server PATH] [--formats none,int8,int4] [--dtype auto] [--threads N] [--llama-threads N]
+        [--single-only] [--quick]
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shared-output", type=int, default=32, help="max_tokens of the shared-prefix workload")
     parser.add_argument("--in-flight", type=int, default=16, help="requests in flight in the shared-prefix workload")
     parser.add_argument("--dtype", default="auto", help="TOLLWAY_DTYPE of every worker")
+    parser.add_argument("--threads", type=int, default=0, help="TOLLWAY_NUM_THREADS of every worker (0: every core)")
+    parser.add_argument("--llama-threads", type=int, default=0, help="llama-server's -t (0: every core)")
+    parser.add_argument("--single-only", action="store_true", help="only the single-stream workload")
     parser.add_argument("--quick", action="store_true", help="a small smoke run: " + str(QUICK))
     args = parser.parse_args()
     if args.quick:
@@ -87,7 +91,7 @@ def main() -> None:
     single: list[Messages] = [[{"role": "user", "content": PROMPT}]]
     shared = f"shared prefix {args.groups}x{args.per_group}"
     print(f"quantized weights through the stack (issue 22): {cpu_line()}\n{load_line()} at start; "
-          f"TOLLWAY_DTYPE={args.dtype}, {args.repeats} repetition(s), streamed AsyncOpenAI, ignore_eos", flush=True)
+          f"TOLLWAY_DTYPE={args.dtype}, TOLLWAY_NUM_THREADS={args.threads}, {args.repeats} repetition(s), streamed AsyncOpenAI, ignore_eos", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="tollway-quant-bench-"))  # kept, with its logs, if a run fails
     servers: dict[str, tuple[str, str]] = {}  # system -> (base url, key)
     stacks: dict[str, TollwayStack] = {}
@@ -96,13 +100,14 @@ def main() -> None:
     try:
         for fmt in args.formats:
             stack = stacks[fmt] = TollwayStack(workdir / fmt, args.home, {
-                "TOLLWAY_QUANTIZATION": fmt, "TOLLWAY_DTYPE": args.dtype})
+                "TOLLWAY_QUANTIZATION": fmt, "TOLLWAY_DTYPE": args.dtype, "TOLLWAY_NUM_THREADS": str(args.threads)})
             servers[fmt] = (stack.base_url, stack.start())
         if args.llama_server is not None:
             gguf = BUILTIN_MODELS[MODEL].locate()
             context = args.slots * 2 ** ((args.system + args.question + max(args.output, args.shared_output)
                                           + 64).bit_length() + 1)
-            llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, in_flight=args.in_flight)
+            extra = ["-t", str(args.llama_threads)] if args.llama_threads else []  # the last -t counts
+            llama = LlamaServer(args.llama_server, gguf, workdir, args.slots, context, extra, in_flight=args.in_flight)
             print(f"llama-server: {llama.version()}; {' '.join(llama.argv[1:])}", flush=True)
             llama.start()
             servers[LLAMA] = (llama.base_url, "none")
@@ -114,6 +119,8 @@ def main() -> None:
             workloads = {SINGLE: (single, args.output, 1),
                          shared: (chat_workload(tokenizer, True, args.groups, args.per_group, args.system,
                                                 args.question, seed=rep), args.shared_output, args.in_flight)}
+            if args.single_only:
+                del workloads[shared]
             for workload, (conversations, max_tokens, in_flight) in workloads.items():
                 for system, (url, key) in servers.items():
                     run = asyncio.run(chat_load(url, key, conversations, max_tokens, in_flight, {"ignore_eos": True},
@@ -132,7 +139,7 @@ def main() -> None:
         for stack in stacks.values():
             stack.stop()
     shutil.rmtree(workdir, ignore_errors=True)
-    report(best, list(servers), [SINGLE, shared], rss, args.repeats)
+    report(best, list(servers), [SINGLE] if args.single_only else [SINGLE, shared], rss, args.repeats)
     print(f"\n{load_line()} at the end; {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
 
 

@@ -22,6 +22,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from workers.engine.deltas import Delta
 from workers.engine.engine import Engine
 from workers.engine.phase_spans import TraceParent
@@ -39,8 +41,18 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, threads: int = 0) -> None:
+        """`threads`: torch's intra-op threads for the engine thread's work (0: leave them as set).
+
+        A process's parallel torch work should all run on this one thread. Each thread that runs
+        OpenMP-parallel ops keeps its own pool of OpenMP threads; once the process holds more of them
+        than cores, libgomp stops spinning between parallel regions and hands each one over by futex.
+        Measured on 2 cores: a quantized decode step 2.2x slower when the loading thread had run
+        parallel ops with 2 threads (ops/bench/RESULTS.md, "Issue 22"). So `tollway worker` loads on
+        one torch thread and passes its thread count here.
+        """
         self.engine = engine
+        self._threads = threads
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -93,6 +105,8 @@ class AsyncEngine:
 
     # -- engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
         while not self._stopping.is_set():
             block = not self.engine.has_work()
             try:
