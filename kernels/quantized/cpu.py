@@ -18,8 +18,9 @@ Two kernels, chosen per layer at packing (`pack_for_cpu(kernel=...)`, "auto" by 
 
 For bf16 activations on a CPU with AVX512-VNNI the native row kernel is the `*_matmul_q8` one
 (kernels/cpu/native/quantized_vnni.cpp): x quantized to int8 per block of 32 columns (llama.cpp's
-Q8_0), the products as integer multiply-adds, 1.1-1.8x the float row kernel's speed at 1-8 rows on a
-2-core AVX512-BF16 host (ops/bench/RESULTS.md, "Issue 22"). x's rounding is of the order of bf16's own;
+Q8_0), the products as integer multiply-adds: on a 2-core AVX512-BF16 host 1.3-2x the float row kernel's
+speed at 1-8 rows, and level with oneDNN's bf16 GEMM on the plain weights at 32 rows (int8; ops/bench/RESULTS.md,
+"Issue 22"). x's rounding is of the order of bf16's own;
 fp32 models keep the float kernels, whose results are the dequantized model's to summation order.
 Ownership: a `CpuPacked` is built once per layer at load and owns its tensors; the layout's
 `QuantizedWeight` it came from can be dropped afterwards.
@@ -51,6 +52,10 @@ DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
 row kernel loses; the crossovers measured on a 2-core AVX512-BF16 host, weights streamed from memory
 (ops/bench/quantization.py, ops/bench/RESULTS.md "Issue 22"). int8's row kernel is cheaper per weight
 than int4's (no unpacking, no mins) and holds out longer against the fp32 GEMM."""
+Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 64, 8: 128}
+"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI: two integer
+multiply-adds per 128 weights hold out far longer (measured at 2 threads, 30 layers' projections: int4
+28.7 vs 27.0 ms dequantizing at 64 rows, int8 36.3 vs 41.0 at 128; ops/bench/RESULTS.md "Issue 22")."""
 
 
 @dataclass(frozen=True)
@@ -182,14 +187,21 @@ def row_kernel(packed: CpuPacked) -> tuple[Callable[[torch.Tensor], torch.Tensor
         op = ops.int4_matmul_q8 if packed.int8_activations else ops.int4_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, mins=packed.mins, n=n,
                                 group=packed.group_size)
-    return run, DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]
+    return run, dequantize_from_rows(packed)
+
+
+def dequantize_from_rows(packed: CpuPacked) -> int:
+    """From this many rows of x a native packing dequantizes and runs one GEMM instead of its row kernel."""
+    if packed.int8_activations:
+        return Q8_DEQUANTIZE_FROM_ROWS[packed.bits]
+    return DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]
 
 
 def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """x [M, K] in packed.dtype -> x @ W.T [M, N] in the same dtype."""
     x = x.contiguous()
     if packed.kernel == "native":
-        if x.shape[0] >= DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]:
+        if x.shape[0] >= dequantize_from_rows(packed):
             return F.linear(x, dequantize_native(packed))
         if packed.int8_activations:
             if packed.bits == 8:

@@ -10,12 +10,12 @@
 // sign per block, the order of bf16's own (8 bits per value); so the caller takes this path for bf16
 // models only (kernels/quantized/cpu.py), and fp32 models keep the exact kernels.
 //
-// Lane layout. A weight tile block holds 8 rows x 16 bytes; rows c and c + 1 (a "pair") are 32
-// adjacent bytes. One 512-bit operand carries a pair's 32 weights of one x block as 128-bit lanes
-// [row c k0..15 | row c+1 k0..15 | row c k16..31 | row c+1 k16..31] (int4: the block's low and high
-// nibbles; int8: tile blocks 2b and 2b + 1), and x's block is stored once, widened to the same
-// lanes: [k0..15 | k0..15 | k16..31 | k16..31]. Lanes 0-3 and 8-11 of a result are row c's, 4-7 and
-// 12-15 row c + 1's.
+// Lane layout. A weight tile block holds 8 rows x 16 bytes; rows 4h .. 4h + 3 (a "quad") are 64
+// adjacent bytes, one 512-bit load whose 128-bit lane j is row 4h + j. For int4 that load's low
+// nibbles are the rows' codes k0..15 of the x block and its high nibbles k16..31; for int8 the
+// loads of tile blocks 2b and 2b + 1 are k0..15 and k16..31. x's block (32 int8, k order) is
+// broadcast to every lane as k0..15 and as k16..31, so two vpdpbusd give each row's 32 products
+// summed into its lane's 4 int32s: two integer multiply-adds per 128 weights.
 //   int4: y[m, n] = sum_b scale[n, g(b)] dx[m, b] isum[m, n, b] + sum_g min[n, g] xsum[m, g]
 //         (codes 0..15 are the unsigned operand; xsum exact, from x itself).
 //   int8: codes w are signed: w ^ 0x80 = w + 128 is the unsigned operand, so
@@ -33,7 +33,7 @@ namespace {
 
 constexpr int64_t kTile = 8;     // output rows per weight tile (quantized_matmul.cpp)
 constexpr int64_t kXBlock = 32;  // x columns per activation scale
-constexpr int64_t kMaxRows = 4;  // rows of x per pass over a tile: 4 x 4 accumulators
+constexpr int64_t kMaxRows = 4;  // rows of x per pass over a tile: 4 x 2 accumulators
 
 bool vnni_available() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -46,7 +46,7 @@ bool vnni_available() {
 #if defined(CPU_CAPABILITY_AVX512)
 #define TOLLWAY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-// x rows quantized: xq [M, K / 32, 64] in the widened lane order, dx [M, K / 32], and per row
+// x rows quantized: xq [M, K] int8 (blocks of 32 in k order), dx [M, K / 32], and per row
 // either xsum [M, G] (the exact sums of x per weight group: int4) or corr [M] (int8's offset term).
 struct QuantizedRows {
   at::Tensor xq, dx, xsum, corr;
@@ -61,7 +61,7 @@ TOLLWAY_VNNI inline __m512 load_x16(const c10::BFloat16* x) {
 template <typename T>
 TOLLWAY_VNNI QuantizedRows quantize_rows(const at::Tensor& x, int64_t group, bool int4) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / kXBlock;
-  QuantizedRows q{at::empty({M, nb, 64}, x.options().dtype(at::kChar)), at::empty({M, nb}, x.options().dtype(at::kFloat)),
+  QuantizedRows q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, nb}, x.options().dtype(at::kFloat)),
                   at::zeros({M, int4 ? K / group : 1}, x.options().dtype(at::kFloat)),
                   at::zeros({M}, x.options().dtype(at::kFloat))};
   const T* xp = x.data_ptr<T>();
@@ -78,11 +78,9 @@ TOLLWAY_VNNI QuantizedRows quantize_rows(const at::Tensor& x, int64_t group, boo
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));  // round to nearest even
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
       const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
-      int8_t* dst = xq + (m * nb + b) * 64;
+      int8_t* dst = xq + m * K + b * kXBlock;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), blo);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), blo);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), bhi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), bhi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), bhi);
       dx[m * nb + b] = d;
       if (int4) {
         xsum[m * (K / group) + b / per_group] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
@@ -99,67 +97,64 @@ TOLLWAY_VNNI inline float sum4(__m128 v) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
-// A pair's accumulator -> (row c's total: lanes 0-3 and 8-11, row c + 1's: lanes 4-7 and 12-15).
-TOLLWAY_VNNI inline void pair_sums(__m512 acc, float& first, float& second) {
-  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-  first = sum4(_mm256_castps256_ps128(halves));
-  second = sum4(_mm256_extractf128_ps(halves, 1));
+// A quad's accumulator -> its 4 rows' totals (row 4h + j: the 4 lanes of 128-bit lane j).
+TOLLWAY_VNNI inline void quad_sums(__m512 acc, float* out) {
+  out[0] = sum4(_mm512_castps512_ps128(acc));
+  out[1] = sum4(_mm512_extractf32x4_ps(acc, 1));
+  out[2] = sum4(_mm512_extractf32x4_ps(acc, 2));
+  out[3] = sum4(_mm512_extractf32x4_ps(acc, 3));
 }
 
-// R rows of x against one tile: sums[r][c] = sum_b (scale) dx[r, b] isum[r, c, b].
+// R rows of x against one tile: sums[r][c] = sum_b (scale[c, g(b)]) dx[r, b] isum[r, c, b].
 template <int64_t R, bool kInt4>
-TOLLWAY_VNNI inline void tile_sums(const int8_t* xq, const float* dx, int64_t nb, int64_t per_group, const uint8_t* w,
-                                   const float* scale, float sums[R][kTile]) {
-  __m512 acc[R][4];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t p = 0; p < 4; ++p) acc[r][p] = _mm512_setzero_ps();
-  const __m512i pair_index[4] = {
-      _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
-      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2),
-      _mm512_set_epi32(5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4),
-      _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6)};
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
+TOLLWAY_VNNI inline void tile_sums(const int8_t* xq, int64_t K, const float* dx, int64_t nb, int64_t per_group,
+                                   const uint8_t* w, const float* scale, float sums[R][kTile]) {
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i quad_index[2] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4)};
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i wv[4];
-    __m512 sv[4];
+    __m512i lo[2], hi[2];  // per quad: the products' operands for x's k0..15 and k16..31
+    __m512 sv[2];          // int4: per quad, each row's group scale in its lanes
     if constexpr (kInt4) {
       const uint8_t* block = w + b * kTile * 16;
       const __m512 scales8 = _mm512_castps256_ps512(_mm256_loadu_ps(scale + (b / per_group) * kTile));
-      for (int64_t p = 0; p < 4; ++p) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 32));
-        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        sv[p] = _mm512_permutexvar_ps(pair_index[p], scales8);
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m512i raw = _mm512_loadu_si512(block + h * 64);
+        lo[h] = _mm512_and_si512(raw, nibble);
+        hi[h] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        sv[h] = _mm512_permutexvar_ps(quad_index[h], scales8);
       }
-    } else {
+    } else {  // codes w + 128 (w ^ 0x80): the unsigned operand
       const uint8_t* first = w + 2 * b * kTile * 16;
-      const uint8_t* second = first + kTile * 16;
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int64_t p = 0; p < 4; ++p) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + p * 32));
-        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + p * 32));
-        wv[p] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1), flip);
+      for (int64_t h = 0; h < 2; ++h) {
+        lo[h] = _mm512_xor_si512(_mm512_loadu_si512(first + h * 64), flip);
+        hi[h] = _mm512_xor_si512(_mm512_loadu_si512(first + kTile * 16 + h * 64), flip);
       }
     }
 #pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512(xq + (r * nb + b) * 64);
+      const int8_t* xb = xq + r * K + b * kXBlock;
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
       const __m512 d = _mm512_set1_ps(dx[r * nb + b]);
-#pragma GCC unroll 4
-      for (int64_t p = 0; p < 4; ++p) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[p], xv));
-        acc[r][p] = _mm512_fmadd_ps(isum, kInt4 ? _mm512_mul_ps(sv[p], d) : d, acc[r][p]);
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), kInt4 ? _mm512_mul_ps(sv[h], d) : d, acc[r][h]);
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t p = 0; p < 4; ++p) pair_sums(acc[r][p], sums[r][2 * p], sums[r][2 * p + 1]);
+  for (int64_t r = 0; r < R; ++r) {
+    quad_sums(acc[r][0], sums[r]);
+    quad_sums(acc[r][1], sums[r] + 4);
+  }
 }
 
 template <typename T, bool kInt4>
 TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, const at::Tensor& scales,
                             const at::Tensor* mins, int64_t N, int64_t group, at::Tensor& out) {
-  const int64_t M = q.xq.size(0), nb = q.xq.size(1), K = nb * kXBlock, G = kInt4 ? K / group : 1;
+  const int64_t M = q.xq.size(0), K = q.xq.size(1), nb = K / kXBlock, G = kInt4 ? K / group : 1;
   const int64_t per_group = kInt4 ? group / kXBlock : 1, tile_bytes = kInt4 ? K * kTile / 2 : K * kTile;
   const int8_t* xq = q.xq.data_ptr<int8_t>();
   const float* dx = q.dx.data_ptr<float>();
@@ -175,7 +170,7 @@ TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, c
       const float* ts = s + t * G * kTile;
       auto pass = [&]<int64_t R>(int64_t m0) {
         float sums[R][kTile];
-        tile_sums<R, kInt4>(xq + m0 * nb * 64, dx + m0 * nb, nb, per_group, w + t * tile_bytes, ts, sums);
+        tile_sums<R, kInt4>(xq + m0 * K, K, dx + m0 * nb, nb, per_group, w + t * tile_bytes, ts, sums);
         for (int64_t r = 0; r < R; ++r) {
           alignas(32) float offsets[kTile] = {};  // int4: the tile's 8 rows' sum_g min[n, g] * xsum[r, g]
           if constexpr (kInt4) {

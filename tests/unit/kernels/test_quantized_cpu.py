@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
-from kernels.quantized.cpu import cpu_matmul, dequantize_native, native_tiles, pack_for_cpu
+from kernels.quantized.cpu import cpu_matmul, dequantize_from_rows, dequantize_native, native_tiles, pack_for_cpu
 from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from tests.required import unavailable
 
@@ -29,8 +29,8 @@ def _weight(bits: int, n: int, k: int, group_size: int, seed: int) -> QuantizedW
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64), (4, 128)])
-@pytest.mark.parametrize("m", [1, 5, 15, 32, 70])  # native: row kernel (4-row passes + rest) up to
-# DEQUANTIZE_FROM_ROWS (16 to 64 by dtype and bits), dequantize + GEMM from there
+@pytest.mark.parametrize("m", [1, 5, 15, 32, 70, 130])  # native: row kernel (passes of 2 or 4 rows + rest) up to
+# dequantize_from_rows (16 to 128 by dtype, bits and kernel), dequantize + GEMM from there
 def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dtype, bits: int,
                                                     group_size: int | None, m: int) -> None:
     n, k = (99 if kernel == "native" else 96), 256  # native: tiles of 8 and 4 weight rows, single-row tails
@@ -43,7 +43,7 @@ def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dty
     w = dequantize(weight)
     expected = F.linear(x.float(), w)
     bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-6
-    if packed.int8_activations and m < 16:  # the q8 row kernel: plus x's rounding, half its block's step
+    if packed.int8_activations and m < dequantize_from_rows(packed):  # q8: plus x's rounding, half a step
         bound += (_q8_steps(x) / 2) @ w.abs().T
     assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
 
