@@ -173,10 +173,10 @@ def dequantize_native(packed: CpuPacked) -> torch.Tensor:
                                                  packed.group_size, packed.dtype)
 
 
-def row_kernel(packed: CpuPacked) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
-    """The native row kernel of `packed` with its weight bound, and the rows from which `cpu_matmul`
-    dequantizes instead (None for torch's kernels): what `cpu_matmul` runs below that many rows, without
-    its per-call dispatch (~2 us a call, 120 calls a decode step of the default model)."""
+def row_kernel(packed: CpuPacked) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The native row kernel of `packed` with its weight bound (None for torch's kernels): what `cpu_matmul`
+    runs below `dequantize_from_rows(packed)` rows, without its per-call dispatch (~2 us a call, 120 calls a
+    decode step of the default model)."""
     if packed.kernel != "native":
         return None
     ops, n = torch.ops.tollway_cpu, packed.shape[0]
@@ -187,7 +187,7 @@ def row_kernel(packed: CpuPacked) -> tuple[Callable[[torch.Tensor], torch.Tensor
         op = ops.int4_matmul_q8 if packed.int8_activations else ops.int4_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, mins=packed.mins, n=n,
                                 group=packed.group_size)
-    return run, dequantize_from_rows(packed)
+    return run
 
 
 def dequantize_from_rows(packed: CpuPacked) -> int:
@@ -203,15 +203,9 @@ def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     if packed.kernel == "native":
         if x.shape[0] >= dequantize_from_rows(packed):
             return F.linear(x, dequantize_native(packed))
-        if packed.int8_activations:
-            if packed.bits == 8:
-                return torch.ops.tollway_cpu.int8_matmul_q8(x, packed.weight, packed.scales, packed.shape[0])
-            return torch.ops.tollway_cpu.int4_matmul_q8(x, packed.weight, packed.scales, packed.mins, packed.shape[0],
-                                                        packed.group_size)
-        if packed.bits == 8:
-            return torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales, packed.shape[0])
-        return torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, packed.shape[0],
-                                                 packed.group_size)
+        run = row_kernel(packed)
+        assert run is not None
+        return run(x)
     if packed.bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, packed.weight, packed.scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.weight, packed.group_size, packed.scales)

@@ -129,7 +129,7 @@ def crossover(dtype: torch.dtype, layers: int) -> None:
     print(f"{'M':>4} {'i8 rows':>9} {'i8 deq':>9} {'i4 rows':>9} {'i4 deq':>9}")
     gen = torch.Generator().manual_seed(1)
     sums = {m: [0.0, 0.0, 0.0, 0.0] for m in CROSSOVER_ROWS}
-    saved = qcpu.DEQUANTIZE_FROM_ROWS
+    saved, saved_q8 = qcpu.DEQUANTIZE_FROM_ROWS, qcpu.Q8_DEQUANTIZE_FROM_ROWS  # the int8-activation kernels' too
     try:
         for n, k in SHAPES.values():
             variants = layer_copies(n, k, dtype, ["native"], layers, gen)
@@ -138,10 +138,11 @@ def crossover(dtype: torch.dtype, layers: int) -> None:
                 for j, (name, threshold) in enumerate((("i8-native", 10**9), ("i8-native", 1), ("i4-native", 10**9),
                                                        ("i4-native", 1))):
                     qcpu.DEQUANTIZE_FROM_ROWS = {key: threshold for key in saved}
+                    qcpu.Q8_DEQUANTIZE_FROM_ROWS = {key: threshold for key in saved_q8}
                     sums[m][j] += median_us(variants[name], x) * layers
             del variants
     finally:
-        qcpu.DEQUANTIZE_FROM_ROWS = saved
+        qcpu.DEQUANTIZE_FROM_ROWS, qcpu.Q8_DEQUANTIZE_FROM_ROWS = saved, saved_q8
     for m in CROSSOVER_ROWS:
         print(f"{m:>4} " + " ".join(f"{s:9.0f}" for s in sums[m]), flush=True)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.quantized.cpu import CpuPacked, cpu_matmul, pack_for_cpu, row_kernel
+from kernels.quantized.cpu import CpuPacked, cpu_matmul, dequantize_from_rows, pack_for_cpu, row_kernel
 from kernels.quantized.layout import QuantizedWeight
 
 
@@ -31,7 +31,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.device, dtype), requires_grad=False)
         self.packed: CpuPacked | None = None
         self.quantized: QuantizedWeight | None = None
-        self.row_kernel: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None = None
+        self.row_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         if self.device.type == "cpu":
             self.packed = pack_for_cpu(weight, dtype, kernel)
             self.row_kernel = row_kernel(self.packed)  # the decode step's calls, straight to the op
@@ -41,8 +41,9 @@ class QuantizedLinear(nn.Module):
                 mins=None if weight.mins is None else weight.mins.to(self.device), group_size=weight.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_kernel is not None and x.dim() == 2 and x.shape[0] < self.row_kernel[1] and self.bias is None:
-            return self.row_kernel[0](x)
+        if (self.row_kernel is not None and x.dim() == 2 and self.bias is None
+                and x.shape[0] < dequantize_from_rows(self.packed)):
+            return self.row_kernel(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if self.packed is not None:
