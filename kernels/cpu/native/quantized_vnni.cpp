@@ -33,7 +33,7 @@ namespace {
 
 constexpr int64_t kTile = 8;     // output rows per weight tile (quantized_matmul.cpp)
 constexpr int64_t kXBlock = 32;  // x columns per activation scale
-constexpr int64_t kMaxRows = 4;  // rows of x per pass over a tile: 4 x 2 accumulators
+constexpr int64_t kMaxRows = 8;  // rows of x per pass over a tile: 8 x 2 accumulators (of 32 registers)
 
 bool vnni_available() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -133,7 +133,7 @@ TOLLWAY_VNNI inline void tile_sums(const int8_t* xq, int64_t K, const float* dx,
         hi[h] = _mm512_xor_si512(_mm512_loadu_si512(first + kTile * 16 + h * 64), flip);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * kXBlock;
       const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
@@ -188,9 +188,16 @@ TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, c
       };
       int64_t m0 = 0;
       for (; M - m0 >= kMaxRows; m0 += kMaxRows) pass.template operator()<kMaxRows>(m0);
-      if (M - m0 == 3) pass.template operator()<3>(m0);
-      if (M - m0 == 2) pass.template operator()<2>(m0);
-      if (M - m0 == 1) pass.template operator()<1>(m0);
+      switch (M - m0) {  // the last pass's rows
+        case 7: pass.template operator()<7>(m0); break;
+        case 6: pass.template operator()<6>(m0); break;
+        case 5: pass.template operator()<5>(m0); break;
+        case 4: pass.template operator()<4>(m0); break;
+        case 3: pass.template operator()<3>(m0); break;
+        case 2: pass.template operator()<2>(m0); break;
+        case 1: pass.template operator()<1>(m0); break;
+        default: break;
+      }
     }
   });
 }
