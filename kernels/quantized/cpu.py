@@ -45,17 +45,20 @@ NATIVE_TILE = 8
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("auto", "native", "torch")
 DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
-    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 32, (torch.float32, 8): 64,
+    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 1024, (torch.float32, 8): 1024,
 }
-"""(activation dtype, bits) -> from this many rows of x the native kernel dequantizes the weight once
-(into x's dtype) and runs one GEMM on it (`F.linear`): prefill chunks are compute-bound, where the
-row kernel loses; the crossovers measured on a 2-core AVX512-BF16 host, weights streamed from memory
-(ops/bench/quantization.py, ops/bench/RESULTS.md "Issue 22"). int8's row kernel is cheaper per weight
-than int4's (no unpacking, no mins) and holds out longer against the fp32 GEMM."""
-Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 64, 8: 128}
-"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI: two integer
-multiply-adds per 128 weights hold out far longer (measured at 2 threads, 30 layers' projections: int4
-28.7 vs 27.0 ms dequantizing at 64 rows, int8 36.3 vs 41.0 at 128; ops/bench/RESULTS.md "Issue 22")."""
+"""(activation dtype, bits) -> from this many rows of x the native float row kernel dequantizes the weight
+once (into x's dtype) and runs one GEMM on it (`F.linear`) instead. fp32: the row kernel won at every size
+measured, up to 512 rows (1.3-2.7x; 2 threads on a 2-core AVX512-BF16 host, ops/bench/quantization.py's
+crossover, ops/bench/RESULTS.md "Issue 22"), so only steps of the whole default token budget dequantize.
+bf16 (CPUs without AVX512-VNNI; with it, Q8_DEQUANTIZE_FROM_ROWS): measured when the native ops still ran
+on one thread."""
+Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 16, 8: 16}
+"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI: decode-sized
+steps only. They would be faster up to 64 (int4) / 128 (int8) rows (2 threads, 30 layers' projections: int4
+24.7 vs 29.5 ms dequantizing at 64 rows; ops/bench/RESULTS.md "Issue 22"), but x's rounding then reaches
+prefill and prompt logprobs: bf16 int4's teacher-forced argmax agreement with the fp32 model fell from 96.9%
+to 90.6% (tests/integration/test_quantized_smollm2.py). Prefill chunks keep the dequantized weights."""
 
 
 @dataclass(frozen=True)
