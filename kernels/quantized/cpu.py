@@ -29,7 +29,9 @@ Ownership: a `CpuPacked` is built once per layer at load and owns its tensors; t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +55,13 @@ measured, up to 512 rows (1.3-2.7x; 2 threads on a 2-core AVX512-BF16 host, ops/
 crossover, ops/bench/RESULTS.md "Issue 22"), so only steps of the whole default token budget dequantize.
 bf16 (CPUs without AVX512-VNNI; with it, Q8_DEQUANTIZE_FROM_ROWS): measured when the native ops still ran
 on one thread."""
-Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 16, 8: 16}
-"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI: decode-sized
-steps only. They would be faster up to 64 (int4) / 128 (int8) rows (2 threads, 30 layers' projections: int4
-24.7 vs 29.5 ms dequantizing at 64 rows; ops/bench/RESULTS.md "Issue 22"), but x's rounding then reaches
-prefill and prompt logprobs: bf16 int4's teacher-forced argmax agreement with the fp32 model fell from 96.9%
-to 90.6% (tests/integration/test_quantized_smollm2.py). Prefill chunks keep the dequantized weights."""
+Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 64, 8: 128}
+"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI, which run in
+decode steps only (`decode_step`): two integer multiply-adds per 128 weights hold out far longer (2 threads,
+30 layers' projections: int4 24.7 vs 29.5 ms dequantizing at 64 rows, int8 33.5 vs 44.7 at 128;
+ops/bench/RESULTS.md "Issue 22"). Prefill and prompt logprobs keep x as it is: with x rounded there, bf16
+int4's teacher-forced argmax agreement with the fp32 model fell from 96.9% to 90.6%
+(tests/integration/test_quantized_smollm2.py)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,26 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
     return CpuPacked("torch", 4, packed, scales_and_zeros, None, weight.group_size, dtype, (n, k))
 
 
+_DECODE_STEP: ContextVar[bool] = ContextVar("tollway_quantized_decode_step", default=False)
+
+
+@contextmanager
+def decode_step() -> Iterator[None]:
+    """Within: a decode step (each row a sequence's next token, or its draft's), where packings with
+    `int8_activations` take x as int8 (`Q8_DEQUANTIZE_FROM_ROWS`). Outside (prefill, prompt logprobs)
+    every quantized matmul takes x as it is. The engine's runner enters it for steps with no prefill."""
+    token = _DECODE_STEP.set(True)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
+
+
+def rounds_activations(packed: CpuPacked) -> bool:
+    """Whether a call on `packed` now runs an int8-activation kernel (its packing allows, a decode step)."""
+    return packed.int8_activations and _DECODE_STEP.get()
+
+
 def int8_activations(dtype: torch.dtype, in_features: int) -> bool:
     """Whether native row kernels for activations of `dtype` take x as int8 (the *_matmul_q8 ops)."""
     return dtype == torch.bfloat16 and in_features % 32 == 0 and native.vnni()
@@ -176,26 +199,27 @@ def dequantize_native(packed: CpuPacked) -> torch.Tensor:
                                                  packed.group_size, packed.dtype)
 
 
-def row_kernel(packed: CpuPacked) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def row_kernel(packed: CpuPacked, rounded: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The native row kernel of `packed` with its weight bound (None for torch's kernels): what `cpu_matmul`
-    runs below `dequantize_from_rows(packed)` rows, without its per-call dispatch (~2 us a call, 120 calls a
-    decode step of the default model)."""
+    runs below `dequantize_from_rows(packed, rounded)` rows, without its per-call dispatch (~2 us a call, 120
+    calls a decode step of the default model); `rounded`: the int8-activation kernel (packed.int8_activations)."""
     if packed.kernel != "native":
         return None
     ops, n = torch.ops.tollway_cpu, packed.shape[0]
     if packed.bits == 8:
-        op = ops.int8_matmul_q8 if packed.int8_activations else ops.int8_matmul
+        op = ops.int8_matmul_q8 if rounded else ops.int8_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, n=n)
     else:
-        op = ops.int4_matmul_q8 if packed.int8_activations else ops.int4_matmul
+        op = ops.int4_matmul_q8 if rounded else ops.int4_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, mins=packed.mins, n=n,
                                 group=packed.group_size)
     return run
 
 
-def dequantize_from_rows(packed: CpuPacked) -> int:
-    """From this many rows of x a native packing dequantizes and runs one GEMM instead of its row kernel."""
-    if packed.int8_activations:
+def dequantize_from_rows(packed: CpuPacked, rounded: bool) -> int:
+    """From this many rows of x a native packing dequantizes and runs one GEMM instead of its row kernel
+    (`rounded`: the int8-activation one)."""
+    if rounded:
         return Q8_DEQUANTIZE_FROM_ROWS[packed.bits]
     return DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]
 
@@ -204,9 +228,10 @@ def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """x [M, K] in packed.dtype -> x @ W.T [M, N] in the same dtype."""
     x = x.contiguous()
     if packed.kernel == "native":
-        if x.shape[0] >= dequantize_from_rows(packed):
+        rounded = rounds_activations(packed)
+        if x.shape[0] >= dequantize_from_rows(packed, rounded):
             return F.linear(x, dequantize_native(packed))
-        run = row_kernel(packed)
+        run = row_kernel(packed, rounded)
         assert run is not None
         return run(x)
     if packed.bits == 8:

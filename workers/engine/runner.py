@@ -12,6 +12,7 @@ tokens then costs a decode step over k + 1 rows, not an eager extend step."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +20,7 @@ import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
+from kernels.quantized import cpu as quantized_cpu
 from workers.engine import decode_rows, prompt_logprobs
 from workers.engine.batch import ScheduledBatch
 from workers.engine.prompt_logprobs import PromptLogprobs
@@ -90,7 +92,9 @@ class ModelRunner:
             graph_logits = self.graphs.run(input_ids, meta, wanted)
             if graph_logits is not None:
                 return StepOutput(graph_logits)
-        return StepOutput(self.model(input_ids, self.kv, meta, wanted))  # [0, V] when only partial prefills ran
+        # A step with no prefill may round quantized matmuls' inputs to int8 (kernels/quantized/cpu.py)
+        with quantized_cpu.decode_step() if decode_rows.all_decoding(batch.num_new, batch.drafts) else nullcontext():
+            return StepOutput(self.model(input_ids, self.kv, meta, wanted))  # [0, V] when only partial prefills ran
 
     def _decode_rows(self, batch: ScheduledBatch, block_tables: torch.Tensor) -> PagedAttentionMetadata | None:
         """A verification step as one-token decode rows, when every sequence decodes and the model's

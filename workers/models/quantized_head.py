@@ -33,6 +33,9 @@ linear table: bf16 int8 7.7 vs 22.8 ms at M = 1, 34.4 vs 26.4 at M = 8; fp32 7.2
 
 
 class QuantizedHead(nn.Module):
+    float_head: nn.Module  # an nn.Linear, or the engine's PackedLinear of it (packed_linear.pack_linears)
+    max_rows: int
+
     def __init__(self, float_head: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         if float_head.bias is not None:
@@ -45,7 +48,9 @@ class QuantizedHead(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The float head's weight (the logits refinement reads its rows; tied to the embeddings)."""
-        return self.float_head.weight
+        weight = self.float_head.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def approximates(self, rows: int) -> bool:
         """Whether a call on `rows` rows runs the int8 copy (its logits then want refining)."""

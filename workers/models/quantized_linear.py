@@ -16,7 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.quantized.cpu import CpuPacked, cpu_matmul, dequantize_from_rows, pack_for_cpu, row_kernel
+from kernels.quantized.cpu import (
+    CpuPacked,
+    cpu_matmul,
+    dequantize_from_rows,
+    pack_for_cpu,
+    rounds_activations,
+    row_kernel,
+)
 from kernels.quantized.layout import QuantizedWeight
 
 
@@ -31,19 +38,23 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.device, dtype), requires_grad=False)
         self.packed: CpuPacked | None = None
         self.quantized: QuantizedWeight | None = None
-        self.row_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.row_kernels: dict[bool, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         if self.device.type == "cpu":
             self.packed = pack_for_cpu(weight, dtype, kernel)
-            self.row_kernel = row_kernel(self.packed)  # the decode step's calls, straight to the op
+            # the decode step's calls, straight to the op: x as it is (False) or rounded to int8 (True)
+            self.row_kernels = {rounded: row_kernel(self.packed, rounded)
+                                for rounded in (False, self.packed.int8_activations)}
         else:
             self.quantized = QuantizedWeight(
                 bits=weight.bits, qweight=weight.qweight.to(self.device), scales=weight.scales.to(self.device),
                 mins=None if weight.mins is None else weight.mins.to(self.device), group_size=weight.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.row_kernel is not None and x.dim() == 2 and self.bias is None
-                and x.shape[0] < dequantize_from_rows(self.packed)):
-            return self.row_kernel(x)
+        if self.packed is not None and x.dim() == 2 and self.bias is None:
+            rounded = rounds_activations(self.packed)
+            run = self.row_kernels[rounded]
+            if run is not None and x.shape[0] < dequantize_from_rows(self.packed, rounded):
+                return run(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if self.packed is not None:

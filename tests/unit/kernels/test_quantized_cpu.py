@@ -1,12 +1,22 @@
 """The CPU quantized matmuls (tollway's native ops and torch's weight-only ops) on the layout: the
 same product as dequantize() + F.linear within the rounding of the op's dtype; clear errors."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
-from kernels.quantized.cpu import cpu_matmul, dequantize_from_rows, dequantize_native, native_tiles, pack_for_cpu
+from kernels.quantized.cpu import (
+    cpu_matmul,
+    decode_step,
+    dequantize_from_rows,
+    dequantize_native,
+    native_tiles,
+    pack_for_cpu,
+    rounds_activations,
+)
 from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from tests.required import unavailable
 
@@ -29,21 +39,25 @@ def _weight(bits: int, n: int, k: int, group_size: int, seed: int) -> QuantizedW
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64), (4, 128)])
-@pytest.mark.parametrize("m", [1, 5, 15, 32, 70, 130])  # native: row kernel (passes of 2 or 4 rows + rest) up to
-# dequantize_from_rows (16 to 128 by dtype, bits and kernel), dequantize + GEMM from there
+@pytest.mark.parametrize("m", [1, 5, 15, 32, 70, 130])  # native: row kernel (passes of up to 8 rows + rest) up to
+# dequantize_from_rows (16 to 1024 by dtype, bits and kernel), dequantize + GEMM from there
+@pytest.mark.parametrize("in_decode_step", [False, True])  # bf16 on AVX512-VNNI: x rounded to int8 in decode steps
 def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dtype, bits: int,
-                                                    group_size: int | None, m: int) -> None:
+                                                    group_size: int | None, m: int, in_decode_step: bool) -> None:
     n, k = (99 if kernel == "native" else 96), 256  # native: tiles of 8 and 4 weight rows, single-row tails
     weight = _weight(bits, n, k, group_size or k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
     packed = pack_for_cpu(weight, dtype, kernel)
     assert packed.kernel == kernel
-    out = cpu_matmul(x, packed)
+    with decode_step() if in_decode_step else nullcontext():
+        out = cpu_matmul(x, packed)
+        rounded = rounds_activations(packed)
+    assert rounded == (in_decode_step and packed.int8_activations)
     assert out.dtype == dtype and out.shape == (m, n)
     w = dequantize(weight)
     expected = F.linear(x.float(), w)
     bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-6
-    if packed.int8_activations and m < dequantize_from_rows(packed):  # q8: plus x's rounding, half a step
+    if rounded and m < dequantize_from_rows(packed, rounded):  # q8: plus x's rounding, half a step
         bound += (_q8_steps(x) / 2) @ w.abs().T
     assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
 
@@ -99,6 +113,11 @@ def test_q8_kernels_are_the_dequantized_product_of_x_rounded_per_block(dtype: to
         bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-5
         assert ((out.float() - expected).abs() <= bound).all(), (m, (out.float() - expected).abs().max())
         assert not torch.allclose(out.float(), x.float() @ w.T, atol=1e-4)  # x was really rounded
+        with decode_step():  # what cpu_matmul runs in a decode step; outside one, the float row kernel
+            assert torch.equal(cpu_matmul(x, packed), out)
+        exact = (torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales, n) if bits == 8 else
+                 torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, n, packed.group_size))
+        assert torch.equal(cpu_matmul(x, packed), exact)
 
 
 def test_one_hot_rows_read_the_layout_s_weights_back(kernel: str) -> None:

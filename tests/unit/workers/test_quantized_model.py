@@ -104,6 +104,23 @@ def test_engine_tokens_equal_on_native_and_cpu_with_projections_left_quantized(f
     assert outputs["native"] == outputs["cpu"]
 
 
+def test_decode_steps_round_activations_to_int8_and_prefill_steps_do_not(folder: Path) -> None:
+    """bf16 on AVX512-VNNI: the engine's decode steps run the int8-activation kernels, its prefill the float
+    ones (prompt logprobs and prefill keep x as it is); elsewhere no step runs them."""
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    engine = Engine(load_model(folder, torch.bfloat16, quantization="int4"), EngineConfig(num_blocks=200, attention="native"))
+    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    ops_per_step = []
+    while engine.has_work():
+        with torch.profiler.profile() as profile:
+            engine.step()
+        ops_per_step.append({event.name for event in profile.events()})
+    assert len(ops_per_step) == 3  # the prompt's one prefill step (11 rows), then two decode steps
+    assert "tollway_cpu::int4_matmul" in ops_per_step[0] and "tollway_cpu::int4_matmul_q8" not in ops_per_step[0]
+    assert all(("tollway_cpu::int4_matmul_q8" in names) == native.vnni() for names in ops_per_step[1:])
+
+
 def test_unknown_quantization_is_refused(folder: Path) -> None:
     with pytest.raises(QuantizationError, match="unknown quantization 'int3'; choose one of none, int8, int4"):
         load_model(folder, torch.float32, quantization="int3")
