@@ -19,7 +19,7 @@ Two kernels, chosen per layer at packing (`pack_for_cpu(kernel=...)`, "auto" by 
 For bf16 activations on a CPU with AVX512-VNNI the native row kernel is the `*_matmul_q8` one
 (kernels/cpu/native/quantized_vnni.cpp): x quantized to int8 per block of 32 columns (llama.cpp's
 Q8_0), the products as integer multiply-adds: on a 2-core AVX512-BF16 host 1.3-2x the float row kernel's
-speed at 1-8 rows, and level with oneDNN's bf16 GEMM on the plain weights at 32 rows (int8; ops/bench/RESULTS.md,
+speed at 1-8 rows, and level with oneDNN's bf16 GEMM on prepacked weights at 32 rows (int8; ops/bench/RESULTS.md,
 "Issue 22"). x's rounding is of the order of bf16's own;
 fp32 models keep the float kernels, whose results are the dequantized model's to summation order.
 Ownership: a `CpuPacked` is built once per layer at load and owns its tensors; the layout's
