@@ -134,6 +134,55 @@ inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, 
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+#define TOLLWAY_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Whether this CPU has AVX512-BF16 (vdpbf16ps): the library is built for AVX512 alone, so the bf16 dot
+// products below are compiled for that extension only and called where it is present.
+bool bf16_dot_available() {
+  static const bool available = __builtin_cpu_supports("avx512bf16");
+  return available;
+}
+
+// The scores q . k of n context tokens of one head, bf16 q against a bf16 cache, with AVX512-BF16 dot
+// products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs into 16 fp32 lanes,
+// replacing the widening of every K row to fp32 and its two multiply-adds. `prefetch`: fetch the K and
+// V rows kPrefetch tokens ahead, as the generic loop's first query head does.
+template <int64_t D>
+TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, const BFloat16* kp, const BFloat16* vp, const int64_t* rows,
+                                  int64_t n, float* s, bool prefetch) {
+  static_assert(D % 32 == 0, "32 bf16 values per vector");
+  __m512bh qv[D / 32];
+  for (int64_t j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+  auto row = [&](int64_t t, int64_t j) { return (__m512bh)_mm512_loadu_si512(kp + rows[t] + 32 * j); };
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    if (prefetch) {
+      for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
+        for (int64_t byte = 0; byte < D * 2; byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
+        }
+      }
+    }
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < D / 32; ++j) {
+      a0 = _mm512_dpbf16_ps(a0, qv[j], row(i, j));
+      a1 = _mm512_dpbf16_ps(a1, qv[j], row(i + 1, j));
+      a2 = _mm512_dpbf16_ps(a2, qv[j], row(i + 2, j));
+      a3 = _mm512_dpbf16_ps(a3, qv[j], row(i + 3, j));
+    }
+    reduce4(Vec(a0), Vec(a1), Vec(a2), Vec(a3), s + i);
+  }
+  for (; i < n; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, qv[j], row(i, j));
+    s[i] = _mm512_reduce_add_ps(a);
+  }
+}
+#endif
+
 template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
@@ -154,6 +203,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
   const int64_t L = (max_len + W - 1) / W * W;
   const float fscale = static_cast<float>(scale);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool bf16_dot = bf16_dot_available();  // bf16 q and cache: the scores as bf16 dot products
+#endif
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L);
@@ -170,9 +222,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         rows[i] = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
       }
       for (int64_t g = 0; g < G; ++g) {
-        load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
         float* s = scores.data() + g * L;
         int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
+          if (bf16_dot) {
+            scores_bf16<D>(qp + b * qs0 + (h * G + g) * qs1, kp, vp, rows.data(), n, s, g == 0);
+            i = n;  // every score done: on to the softmax
+          }
+        }
+#endif
+        if (i < n) load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
           if (g == 0) {  // the first head fetches K and V rows kPrefetch tokens ahead (blocks are scattered)
             for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
