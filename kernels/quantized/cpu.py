@@ -47,14 +47,14 @@ NATIVE_TILE = 8
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("auto", "native", "torch")
 DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
-    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 16, (torch.float32, 4): 1024, (torch.float32, 8): 1024,
+    (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 64, (torch.float32, 4): 1024, (torch.float32, 8): 1024,
 }
 """(activation dtype, bits) -> from this many rows of x the native float row kernel dequantizes the weight
 once (into x's dtype) and runs one GEMM on it (`F.linear`) instead. fp32: the row kernel won at every size
 measured, up to 512 rows (1.3-2.7x; 2 threads on a 2-core AVX512-BF16 host, ops/bench/quantization.py's
 crossover, ops/bench/RESULTS.md "Issue 22"), so only steps of the whole default token budget dequantize.
-bf16 (CPUs without AVX512-VNNI; with it, Q8_DEQUANTIZE_FROM_ROWS): measured when the native ops still ran
-on one thread."""
+bf16 (prefill, and decode steps on CPUs without AVX512-VNNI): int8 rows 35.7 vs 39.6 ms dequantizing at 48 rows,
+45.9 vs 44.9 at 64; int4 rows 18.4 vs 19.5 at 16, 34.7 vs 24.4 at 32 (30 layers' projections, same host)."""
 Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 64, 8: 128}
 """The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI, which run in
 decode steps only (`decode_step`): two integer multiply-adds per 128 weights hold out far longer (2 threads,
