@@ -7,8 +7,9 @@
 // s8 products summed in fours into 16 int32 lanes per instruction), and the float work is one
 // conversion and one multiply-add per 16 lanes per block, against quantized_matmul.cpp's conversion,
 // scale multiply and multiply-add per 16 weights. The error this adds is x's rounding to 7 bits plus
-// sign per block, the order of bf16's own (8 bits per value); so the caller takes this path for bf16
-// models only (kernels/quantized/cpu.py), and fp32 models keep the exact kernels.
+// sign per block, the order of bf16's own (8 bits per value); so the caller takes this path in decode
+// steps of bf16 models only (kernels/quantized/cpu.py `decode_step`): prefill, prompt logprobs and fp32
+// models keep the exact kernels.
 //
 // Lane layout. A weight tile block holds 8 rows x 16 bytes; rows 4h .. 4h + 3 (a "quad") are 64
 // adjacent bytes, one 512-bit load whose 128-bit lane j is row 4h + j. For int4 that load's low
