@@ -4,9 +4,15 @@ Forking (parallel sampling, `n > 1`) shares every block with the child by refere
 are never written again, so sharing them is free; a shared, partly filled last block is copied
 before the first write to it (copy-on-write), and the copy is returned for the KV storage to do.
 
-`version` counts the changes to `block_ids` (blocks added, a block replaced by its copy, all
-released): a mirror of the table (the engine's persistent block-table rows) is current exactly
-when it saw the same version.
+`version` counts the changes to `block_ids` (blocks added, a block replaced by its copy, blocks
+dropped or all released): a mirror of the table (the engine's persistent block-table rows) is
+current exactly when it saw the same version.
+
+Sliding windows: when every layer attends only to the last W keys, the blocks wholly before a
+sequence's window are given back with `drop_before`. Their slots keep their places in
+`block_ids` as `NO_BLOCK` (so position p still lives in block_ids[p // block_size]); the dropped
+slots are always a prefix, `num_dropped` long, and hold no pool reference. Attention never reads
+them (they are outside every query's window); mirrors write them as block 0, real memory.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cache.block_pool import BlockPool
+
+NO_BLOCK = -1  # a slot whose block was given back because it left the sliding window
 
 
 class BlockTable:
@@ -24,7 +32,13 @@ class BlockTable:
         self.pool = pool
         self.block_ids = list(block_ids)
         self.num_tokens = num_tokens
+        self.num_dropped = next((i for i, b in enumerate(self.block_ids) if b != NO_BLOCK), len(self.block_ids))
         self.version = 0
+
+    @property
+    def held_ids(self) -> list[int]:
+        """The blocks the table holds a reference on (every slot but the dropped prefix)."""
+        return self.block_ids[self.num_dropped:]
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks `append(num_new_tokens)` would allocate (including a copy-on-write copy)."""
@@ -58,21 +72,35 @@ class BlockTable:
             raise ValueError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
         keep = self.pool.blocks_for(num_tokens)
         if keep < len(self.block_ids):
-            self.pool.release(self.block_ids[keep:])
+            self.pool.release(self.block_ids[max(keep, self.num_dropped):])
+            self.num_dropped = min(self.num_dropped, keep)
             del self.block_ids[keep:]
             self.version += 1
         self.num_tokens = num_tokens
 
+    def drop_before(self, num_tokens: int) -> int:
+        """Give back the blocks wholly before token num_tokens (no query will see them again: they left
+        a sliding window); returns how many were given back. Never the block being written."""
+        upto = min(num_tokens, self.num_tokens - 1) // self.pool.block_size
+        if upto <= self.num_dropped:
+            return 0
+        dropped = self.block_ids[self.num_dropped:upto]
+        self.pool.release(dropped)
+        self.block_ids[self.num_dropped:upto] = [NO_BLOCK] * len(dropped)
+        self.num_dropped = upto
+        self.version += 1
+        return len(dropped)
+
     def fork(self) -> BlockTable:
-        """A child sharing every block (one more reference on each)."""
-        self.pool.retain(self.block_ids)
+        """A child sharing every held block (one more reference on each) and the dropped slots."""
+        self.pool.retain(self.held_ids)
         return BlockTable(self.pool, self.block_ids, self.num_tokens)
 
     def release(self) -> None:
         """Give back every reference; the table is empty afterwards."""
-        self.pool.release(self.block_ids)
+        self.pool.release(self.held_ids)
         self.block_ids = []
-        self.num_tokens = 0
+        self.num_tokens = self.num_dropped = 0
         self.version += 1
 
     def _last_block_is_shared(self) -> bool:

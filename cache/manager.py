@@ -141,7 +141,7 @@ class KVCacheManager:
     def check_integrity(self, tables: Iterable[BlockTable]) -> None:
         """AssertionError unless pool and tree agree and `tables` (every live table) account for
         every reference other than the tree's."""
-        holders = Counter(block for table in tables for block in table.block_ids)
+        holders = Counter(block for table in tables for block in table.held_ids)
         self.pool.check_integrity(holders)
         self.tree.check_integrity()
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cache.block_pool import BlockPool
+from cache.block_table import NO_BLOCK
 
 
 @dataclass(eq=False)
@@ -114,7 +115,9 @@ class RadixPrefixTree:
         """Cache the whole blocks of `tokens` (held by the caller as `block_ids`).
 
         Returns how many tokens were already cached; the caller's blocks for that part are
-        duplicates it simply releases. The tree takes its own reference on the blocks it adds.
+        duplicates it simply releases. The tree takes its own reference on the blocks it adds. The
+        path stops before the first NO_BLOCK past what is cached (a block given back: nothing after
+        it can hang below it).
         """
         tokens = list(tokens)
         num_blocks = len(tokens) // self.block_size
@@ -124,9 +127,12 @@ class RadixPrefixTree:
             self._roots[namespace] = _Node(key=[], blocks=[], parent=None, namespace=namespace)
         node, matched, _ = self._walk(namespace, tokens, num_blocks)
         node = node or self._roots[namespace]
+        new_blocks = list(block_ids[matched:num_blocks])
+        if NO_BLOCK in new_blocks:  # a path goes only as far as its owner still holds it (sliding window)
+            new_blocks = new_blocks[: new_blocks.index(NO_BLOCK)]
+            num_blocks = matched + len(new_blocks)
         if matched < num_blocks:
             bs = self.block_size
-            new_blocks = list(block_ids[matched:num_blocks])
             child = _Node(key=list(tokens[matched * bs : num_blocks * bs]), blocks=new_blocks, parent=node)
             node.children[tuple(child.key[:bs])] = child
             self.pool.cache(new_blocks)

@@ -84,10 +84,10 @@ class PagedAttentionMetadata:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {ctx} tokens")
         max_blocks = max(len(t) for t in block_tables)
         padded = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-        for row, blocks in enumerate(block_tables):
-            padded[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
+        for row, blocks in enumerate(block_tables):  # a slot a sliding window dropped (-1) reads block 0
+            padded[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32).clamp_(min=0)
         meta = cls.from_tables(query_lens, context_lens, padded.to(device), block_size, backend)
-        meta.tables_as_lists = [list(t) for t in block_tables]
+        meta.tables_as_lists = [[max(b, 0) for b in t] for t in block_tables]
         return meta
 
     @classmethod

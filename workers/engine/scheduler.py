@@ -37,6 +37,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from cache.block_table import BlockTable
 from cache.manager import KVCacheManager
 from workers.engine.admission import POLICIES, AdmissionOrder, Policy, preemption_victim, running_order
 from workers.engine.batch import Fork, ScheduledBatch, StepUpdate, fork_choice
@@ -47,7 +48,7 @@ from workers.engine.request import FinishReason, Priority, Sequence, Status
 class Scheduler:
     def __init__(
         self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
-        policy: Policy = "fair", max_running_per_tenant: int = 0,
+        policy: Policy = "fair", max_running_per_tenant: int = 0, sliding_window: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -55,6 +56,11 @@ class Scheduler:
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.policy = policy
         self.max_running_per_tenant = max_running_per_tenant  # 0: no cap (workers/engine/admission.py)
+        # Every layer's window (ModelConfig.uniform_window; None: some layer sees everything). With one,
+        # blocks wholly outside a sequence's window are given back before each step, and a running
+        # sequence commits only its prompt's blocks to the tree: a committed block stays pinned
+        # there while blocks below it are held, which would keep every generated block alive.
+        self.sliding_window = sliding_window
         self.vtc = VirtualTokenCounter()  # kept under both policies (metrics); only `fair` orders by it
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -101,6 +107,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
                 continue
             draft, seq.draft_ids = seq.draft_ids, []  # the engine's proposal, for this step only
+            self._drop_out_of_window(seq.block_table, seq.computed_len)
             copies = self._grow_draft(seq, draft, budget)
             if copies is None:
                 draft = []
@@ -143,6 +150,12 @@ class Scheduler:
             budget -= admitted
         return batch.ordered()
 
+    def _drop_out_of_window(self, table: BlockTable | None, computed_len: int) -> None:
+        """Give back the blocks no query of the next step can see: the first query sits at position
+        computed_len and sees keys from computed_len - window + 1 on."""
+        if self.sliding_window is not None and table is not None:
+            table.drop_before(computed_len - self.sliding_window + 1)
+
     def _grow(self, seq: Sequence, num_new: int, scheduled: set[Sequence]) -> list[tuple[int, int]] | None:
         """Blocks for num_new more tokens, preempting other sequences not in `scheduled` (this step's
         batch) if needed; None if seq lost its place."""
@@ -177,6 +190,7 @@ class Scheduler:
         hit = self.cache.no_match() if recompute else self.cache.match_and_lock(seq.namespace, seq.all_ids,
                                                                                  count=False)
         table, cached = hit.table, hit.cached_len
+        self._drop_out_of_window(table, cached)
         num_new = min(seq.total_len - cached, budget)
         copies = self.cache.try_grow(table, num_new)
         if copies is None:
@@ -247,6 +261,8 @@ class Scheduler:
         references; full blocks are never written again)."""
         table = seq.block_table
         full_blocks = seq.computed_len // self.cache.block_size
+        if self.sliding_window is not None:
+            full_blocks = min(full_blocks, seq.prompt_len // self.cache.block_size)
         if table is None or not seq.commits_blocks or full_blocks <= seq.committed_blocks:
             return
         self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
@@ -295,7 +311,8 @@ class Scheduler:
         for seq in self.running:
             if seq.block_table is None:
                 continue
-            for i, block in enumerate(seq.block_table.block_ids):
+            table = seq.block_table
+            for i, block in enumerate(table.held_ids, start=table.num_dropped):
                 in_block = min(max(seq.computed_len - i * bs, 0), bs)
                 filled[block] = max(filled.get(block, 0), in_block)
         return sum(filled.values()), len(filled) * bs

@@ -6,7 +6,8 @@ Each BlockTable (by identity) owns one row while it lives; the row is rewritten 
 table's `version` moved since it was last copied (a decode crosses into a new block once every
 block_size steps), and freed when the table object is collected. Invariant: for every live
 mirrored table, row[:len(block_ids)] == block_ids as of its recorded version; entries past it are
-0 (a valid block id, so a kernel that reads a padded entry reads real memory).
+0 (a valid block id, so a kernel that reads a padded entry reads real memory), and so are the
+slots a sliding window dropped (`NO_BLOCK`): a kernel that reads them masks what it read.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class BlockTableRows:
             if len(blocks) > self.rows.shape[1]:
                 self._grow(rows=self.rows.shape[0], width=max(len(blocks), 2 * self.rows.shape[1]))
             row = self.rows[mirror.row]
-            row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)  # NO_BLOCK slots read block 0
             row[len(blocks) : mirror.num_blocks] = 0
             mirror.version, mirror.num_blocks = table.version, len(blocks)
             self.num_rewrites += 1

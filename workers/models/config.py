@@ -71,6 +71,14 @@ class ModelConfig:
             )
 
     @property
+    def uniform_window(self) -> int | None:
+        """The sliding window every layer has (None when some layer sees the whole context): only
+        then can a sequence give back the KV blocks that left it, one block table serving all layers."""
+        if self.sliding_window is None or any(t != "sliding_attention" for t in self.layer_types):
+            return None
+        return self.sliding_window
+
+    @property
     def q_size(self) -> int:
         return self.num_q_heads * self.head_dim
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cache import KVCacheManager
+from cache.block_table import NO_BLOCK
 
 
 def test_a_sequence_commits_while_running_and_a_second_one_hits_its_blocks() -> None:
@@ -85,3 +86,31 @@ def test_growth_is_refused_when_the_only_evictable_block_sits_above_a_held_one()
     cache.cache_and_release("a", longer, second.table)
     cache.check_integrity([])
     assert cache.all_free_or_evictable()
+
+
+def test_blocks_that_left_a_sliding_window_go_back_and_the_path_stops_there() -> None:
+    cache = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(14))
+    table = cache.match_and_lock("a", tokens).table
+    cache.try_grow(table, 14)  # 4 blocks, the last one partly filled
+    cache.commit("a", tokens[:4], table)  # the prompt's first block is cached; the rest is not
+    first, second, third, last = table.block_ids
+    assert table.drop_before(13) == 3  # keys from 13 on: only the block holding 12..15 stays
+    assert table.block_ids == [NO_BLOCK] * 3 + [last] and table.held_ids == [last]
+    assert cache.pool.ref_count(first) == 1 and cache.pool.ref_count(second) == 0  # tree's / free
+    assert table.drop_before(14) == 0  # never the block being written
+    cache.check_integrity([table])
+
+    child = cache.fork(table)  # shares the held block and the dropped slots
+    assert child.block_ids == table.block_ids and cache.pool.ref_count(last) == 2
+    child.truncate(12)  # a rejected draft: the held block goes, the dropped slots hold nothing to give
+    assert child.block_ids == [NO_BLOCK] * 3 and child.held_ids == [] and cache.pool.ref_count(last) == 1
+    cache.release(child)
+    cache.try_grow(table, 4)  # grows past the dropped slots as usual
+    assert len(table.block_ids) == 5 and table.num_dropped == 3
+    cache.check_integrity([table])
+
+    cache.cache_and_release("a", tokens + [14, 15, 16, 17], table)  # the path breaks at block 1
+    cache.check_integrity([])
+    assert cache.peek("a", tokens) == 4 and cache.all_free_or_evictable()
+    assert cache.stats().num_free == 7

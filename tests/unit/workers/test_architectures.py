@@ -110,6 +110,34 @@ def test_engine_greedy_equals_transformers_with_shared_prefix(family) -> None:
     assert [s.output_ids for s in first + second] == expected
 
 
+@pytest.mark.parametrize("family", ["qwen3-window", "mixtral"], indirect=True)
+def test_a_sliding_window_gives_back_the_blocks_that_left_it(family) -> None:
+    """Every layer has a window of 8 (block size 4): a sequence holds at most the blocks its next
+    step can see, so 100 tokens run in a 12-block cache that could not hold them whole, with the
+    same tokens as transformers; the prompt's blocks stay in the tree for the next request."""
+    _, loaded, theirs = family
+    assert loaded.model.config.uniform_window == 8
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, loaded.model.config.vocab_size, (22,), generator=gen).tolist()
+    engine = Engine(loaded, EngineConfig(num_blocks=12, block_size=4, max_batch_tokens=8))  # 3 prefill chunks
+    params = SamplingParams(max_tokens=78, temperature=0.0, ignore_eos=True)
+    seq = engine.add_request("long", prompt, params)
+    held = []
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+        if seq.block_table is not None:
+            held.append(len(seq.block_table.held_ids))
+    assert seq.finish_reason is not None and seq.finish_reason.value == "length" and len(seq.output_ids) == 78
+    assert seq.output_ids == hf_greedy(theirs, prompt, 78)
+    assert max(held) <= 4 and held[-1] <= 4  # (window 8 + the token being written) spans at most 3 blocks, +1 growing
+    assert engine.cache.all_free_or_evictable()
+    again = engine.add_request("again", prompt + [5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert again.cached_len == 20 and again.output_ids == hf_greedy(theirs, prompt + [5, 6], 4)
+
+
 @pytest.mark.slow
 def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 smollm2_folder: Path) -> None:

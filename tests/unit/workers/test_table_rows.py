@@ -15,7 +15,7 @@ from workers.engine.table_rows import BlockTableRows
 
 def expected_rows(tables: list[BlockTable]) -> list[list[int]]:
     width = max(len(t.block_ids) for t in tables)
-    return [t.block_ids + [0] * (width - len(t.block_ids)) for t in tables]
+    return [[max(b, 0) for b in t.block_ids] + [0] * (width - len(t.block_ids)) for t in tables]  # NO_BLOCK: 0
 
 
 def test_rows_follow_appends_forks_and_releases_rewriting_only_changed_tables() -> None:
@@ -38,6 +38,9 @@ def test_rows_follow_appends_forks_and_releases_rewriting_only_changed_tables() 
     tables[1].release()
     tables[1].append(5)
     assert mirror.gather(tables).tolist() == expected_rows(tables)  # old entries past 2 blocks zeroed
+    assert tables[2].drop_before(9) == 2  # a sliding window moved on: dropped slots read block 0
+    rows = mirror.gather(tables).tolist()
+    assert rows == expected_rows(tables) and rows[2][:2] == [0, 0] and min(min(r) for r in rows) == 0
 
 
 def test_rows_of_collected_tables_are_reused() -> None:
