@@ -49,7 +49,8 @@ KERNELS = ("auto", "native", "torch")
 DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
     (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 64, (torch.float32, 4): 1024, (torch.float32, 8): 1024,
 }
-"""(activation dtype, bits) -> from this many rows of x the native float row kernel dequantizes the weight
+"""The shipped defaults; an engine measures this CPU's own at start (kernels/quantized/crossover.py, `_MEASURED`).
+(activation dtype, bits) -> from this many rows of x the native float row kernel dequantizes the weight
 once (into x's dtype) and runs one GEMM on it (`F.linear`) instead. fp32: the row kernel won at every size
 measured, up to 512 rows (1.3-2.7x; 2 threads on a 2-core AVX512-BF16 host, ops/bench/quantization.py's
 crossover, ops/bench/RESULTS.md "Issue 22"), so only steps of the whole default token budget dequantize.
@@ -216,9 +217,25 @@ def row_kernel(packed: CpuPacked, rounded: bool) -> Callable[[torch.Tensor], tor
     return run
 
 
+_MEASURED: dict[tuple[torch.dtype, int, bool], int] = {}
+"""(dtype, bits, rounded) -> the crossover measured on this CPU in this process (kernels/quantized/crossover.py);
+it overrides the shipped constants above. Written once per key, at engine start."""
+
+
+def record_crossover(dtype: torch.dtype, bits: int, rounded: bool, rows: int) -> None:
+    _MEASURED[(dtype, bits, rounded)] = rows
+
+
+def measured_crossover(dtype: torch.dtype, bits: int, rounded: bool) -> int | None:
+    return _MEASURED.get((dtype, bits, rounded))
+
+
 def dequantize_from_rows(packed: CpuPacked, rounded: bool) -> int:
     """From this many rows of x a native packing dequantizes and runs one GEMM instead of its row kernel
-    (`rounded`: the int8-activation one)."""
+    (`rounded`: the int8-activation one): the crossover measured on this CPU, else the shipped one."""
+    measured = _MEASURED.get((packed.dtype, packed.bits, rounded))
+    if measured is not None:
+        return measured
     if rounded:
         return Q8_DEQUANTIZE_FROM_ROWS[packed.bits]
     return DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]

@@ -10,12 +10,14 @@ from __future__ import annotations
 from cache.kv_storage import KVStorage
 from cache.manager import KVCacheManager
 from kernels.dispatch import select_backend
+from kernels.quantized import crossover
 from workers.engine.compiled_decode import CompiledDecode, compile_wanted
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.runner import BucketedDecode, ModelRunner
 from workers.models.loader import LoadedModel
 from workers.models.packed_linear import pack_linears
+from workers.models.quantized_linear import QuantizedLinear
 from workers.precision import resolve_kv_cache_dtype
 
 
@@ -31,6 +33,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheMana
     backend = select_backend(model.device, config.attention)
     if backend == "native":  # the native decode step's matmuls run on prepacked weights
         pack_linears(model)
+    # Quantized projections: where their row kernels stop paying on this CPU (once per process).
+    crossover.calibrate([m.packed for m in model.modules() if isinstance(m, QuantizedLinear) and m.packed is not None])
     # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
     graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
     compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
