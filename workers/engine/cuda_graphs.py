@@ -3,13 +3,20 @@
 
 Opt-in (`EngineConfig.cuda_graphs`) and NOT MEASURED: it was written on a host without a GPU, so
 neither its speed nor its correctness on a device has been checked yet; the bucketing and padding
-it relies on are unit-tested on the CPU (tests/unit/workers/test_graph_buckets.py).
+it relies on are unit-tested on the CPU (tests/unit/workers/test_graph_buckets.py), and so is the
+whole protocol with `_EagerReplay` standing in for the capture (tests/unit/workers/test_tensor_parallel.py).
 Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly.
+
+Tensor parallel (workers/parallel/model.py): every rank keeps its own graphs of its shard. Before a
+graphed step the leader announces it (`announce_captured_step`: the step's tokens, lengths, tables
+and the padding block); each follower runs the same `run` on its own `DecodeGraphs`, so all ranks
+capture a bucket together, their collectives recorded inside each rank's graph, and replay together.
+The body of a capture or replay is `unannounced`: nothing inside a graph talks to the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +27,21 @@ from workers.engine.graph_buckets import DEFAULT_BATCH_BUCKETS, batch_bucket, co
 from workers.models.llama import LlamaForCausalLM
 
 
+class _EagerReplay:
+    """A CPU stand-in for a CUDA graph, so that the capture protocol, the padding and the per-rank
+    announcements run in tests on any machine: `replay` makes the captured call again. The engine
+    builds `DecodeGraphs` on CUDA only (runner_setup.py); a follower rank builds one like its leader."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.replay_call = call
+
+    def replay(self) -> None:
+        self.replay_call()
+
+
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | _EagerReplay
     input_ids: torch.Tensor  # [bucket]
     meta: PagedAttentionMetadata  # static tensors; context_lens_list holds the context bucket (grid size)
     logits: torch.Tensor  # [bucket, V], written by each replay
@@ -35,7 +54,7 @@ class DecodeGraphs:
         self.model, self.kv, self.dummy_block, self.backend = model, kv, dummy_block, backend
         self.buckets = tuple(buckets)
         self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if kv.keys[0].device.type == "cuda" else None
 
     def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
             logit_rows: torch.Tensor) -> torch.Tensor | None:
@@ -43,6 +62,12 @@ class DecodeGraphs:
         bucket = batch_bucket(meta.num_seqs, self.buckets)
         if bucket is None or meta.num_decodes != meta.num_seqs:
             return None
+        self.model.announce_captured_step(input_ids, meta, self.dummy_block)
+        with self.model.unannounced():
+            return self._run(input_ids, meta, bucket, logit_rows)
+
+    def _run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, bucket: int,
+             logit_rows: torch.Tensor) -> torch.Tensor:
         ctx = context_bucket(meta.max_context_len)
         captured = self.graphs.get((bucket, ctx)) or self._capture(bucket, ctx)
         padded = pad_decode_batch(input_ids, meta, bucket, self.dummy_block, self.backend)
@@ -64,6 +89,16 @@ class DecodeGraphs:
         meta = PagedAttentionMetadata.from_tables([1] * bucket, [1] * bucket, tables, block_size, self.backend)
         meta.context_lens_list = [ctx] * bucket  # Python-side sizes (the decode grid) fixed at the bucket
         input_ids = torch.zeros(bucket, dtype=torch.long, device=device)
+        if device.type != "cuda":  # the stand-in (tests): each replay runs the model on the static buffers
+            logits = self.model(input_ids, self.kv, meta)
+
+            @torch.inference_mode()
+            def again() -> None:
+                logits.copy_(self.model(input_ids, self.kv, meta))
+
+            replay = _EagerReplay(again)
+            captured = self.graphs[(bucket, ctx)] = _Captured(replay, input_ids, meta, logits)
+            return captured
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, the rotary table reaches its size

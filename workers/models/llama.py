@@ -11,6 +11,7 @@ bf16 this halves the teacher-forced disagreements with fp32 against a bf16 resid
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,15 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 hidden = layer(hidden, cos, sin, kv, meta)
         return hidden
+
+    # -- ranks: a model sharded over processes (workers/parallel/model.py) overrides these two ------
+    def announce_captured_step(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, dummy_block: int) -> None:
+        """A captured decode step (workers/engine/cuda_graphs.py) is about to be captured or replayed
+        for this all-decode step: other ranks must do the same. One process: nothing to tell."""
+
+    def unannounced(self) -> AbstractContextManager[None]:
+        """Within: this model's calls are not announced to other ranks (a captured step's body)."""
+        return nullcontext()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of fp32 hidden states [n, H] -> [n, V].

@@ -8,13 +8,16 @@ model call the engine makes on the leader (`allocate_kv`, the KV storage's `copy
 from rank 0: the call and what it needs — token ids, the step's lengths and block tables, block
 copies, hidden rows), then run on every rank, whose collectives (all_reduce, all_gather) meet in the
 same order. Followers run `serve` until the leader announces `stop`. Every rank ends up with the
-full fp32 logits; only the leader's are used.
+full fp32 logits; only the leader's are used. On CUDA with `EngineConfig.cuda_graphs`, a decode step
+run as a CUDA graph is announced once as `graphed` (before its capture or replay, not the calls
+inside it), and each follower runs the same bucket in its own graphs (workers/engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,22 +28,39 @@ from kernels.metadata import PagedAttentionMetadata
 from workers.models.llama import REFINED_TOP, LlamaForCausalLM
 from workers.parallel.layers import TensorParallelGroup, check_tensor_parallel, shard_layers, vocab_shard
 
+if TYPE_CHECKING:
+    from workers.engine.cuda_graphs import DecodeGraphs
+
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
     """A LlamaForCausalLM whose layers hold one rank's shard (workers/parallel/layers.py). Built by
     `shard` from a loaded model; `config` stays the whole model's."""
 
     fused_decode_ok = False  # the native fused decode step has no collectives: layers run one by one
-    cuda_graphs_ok = False  # announcing a step is a host-side broadcast
+    # CUDA graphs per rank: a graphed step is announced once, before its capture or replay, and every
+    # rank runs its own graph of its shard (workers/engine/cuda_graphs.py); inside, nothing is announced.
+    cuda_graphs_ok = True
     tp: TensorParallelGroup
+    _quiet = False  # True within `unannounced` (the leader's captured step's body)
 
     @property
     def is_leader(self) -> bool:
         return self.tp.rank == 0
 
     def _announce(self, *message: Any) -> None:
-        if self.is_leader:
+        if self.is_leader and not self._quiet:
             dist.broadcast_object_list([message], src=0, group=self.tp.group)
+
+    def announce_captured_step(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, dummy_block: int) -> None:
+        self._announce("graphed", *_step_message(input_ids, meta), dummy_block)
+
+    @contextmanager
+    def unannounced(self) -> Iterator[None]:
+        quiet, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = quiet
 
     # -- the engine's calls (announced by the leader) -------------------------------------------
     def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> KVStorage:
@@ -107,6 +127,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         """A follower's loop: run every call the leader announces until it announces `stop`."""
         assert not self.is_leader
         kv: KVStorage | None = None
+        graphs: DecodeGraphs | None = None  # this rank's captured decode steps, made at the first one
         device = self.device
         while True:
             box: list[Any] = [None]
@@ -121,12 +142,19 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
                 kv.copy_blocks(args[0])
             elif kind == "logits":
                 self._logits(args[0].to(device))
+            elif kind == "graphed":  # the leader's captured step: the same bucket in this rank's graphs
+                assert kv is not None
+                ids, meta = _rebuilt_step(args, device)
+                if graphs is None:
+                    from workers.engine.cuda_graphs import DecodeGraphs  # CUDA only: loaded when used
+
+                    assert meta.backend is not None  # a graphed step's metadata names its backend
+                    graphs = DecodeGraphs(self, kv, args[6], meta.backend)
+                graphs.run(ids, meta, torch.arange(meta.num_seqs, device=device))
             else:  # hidden / forward: rebuild the step's metadata from its lengths and tables
                 assert kv is not None
-                ids, q_lens, ctx_lens, tables, block_size, step_backend = args[:6]
-                meta = PagedAttentionMetadata.from_tables(q_lens, ctx_lens, tables.to(device), block_size,
-                                                          step_backend)
-                hidden = self._hidden(ids.to(device), kv, meta)
+                ids, meta = _rebuilt_step(args, device)
+                hidden = self._hidden(ids, kv, meta)
                 if kind == "forward":
                     wanted = args[6]
                     self._logits(hidden if wanted is None else hidden[wanted.to(device)])
@@ -152,6 +180,13 @@ def _step_message(input_ids: torch.Tensor, meta: PagedAttentionMetadata) -> tupl
     """What a follower needs to rebuild the step: its token ids and the metadata's inputs (CPU)."""
     return (_owned(input_ids), meta.query_lens_list, meta.context_lens_list, _owned(meta.block_tables),
             meta.block_size, meta.backend)
+
+
+def _rebuilt_step(message: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, PagedAttentionMetadata]:
+    """A follower's copy of a step announced with `_step_message`: token ids and metadata on `device`."""
+    ids, q_lens, ctx_lens, tables, block_size, step_backend = message[:6]
+    meta = PagedAttentionMetadata.from_tables(q_lens, ctx_lens, tables.to(device), block_size, step_backend)
+    return ids.to(device), meta
 
 
 def shard(model: LlamaForCausalLM, tp: TensorParallelGroup) -> ShardedLlamaForCausalLM:

@@ -17,7 +17,9 @@ from click.testing import CliRunner
 from ops.cli import cli
 from tests.unit.workers.test_architectures import COMMON, TOKENIZER_FILES, randomize
 from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.engine import Engine
+from workers.engine.runner import ModelRunner
 from workers.models.config import ModelConfig
 from workers.models.loader import LoadedModel, load_model
 from workers.parallel.launch import start_tensor_parallel
@@ -93,6 +95,51 @@ def test_tensor_parallel_2_equals_1_through_the_engine(llama_folder: Path) -> No
     assert len(got["prompt_logprobs"]) == len(prompts[2]) - 1
     assert got["prompt_logprobs"] == pytest.approx(expected["prompt_logprobs"], abs=1e-4)
     assert not any(p.is_alive() for p in run.processes)  # the follower left when the run closed
+
+
+def run_graphed(loaded: LoadedModel, batches: list[list[list[int]]]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Greedy outputs of each batch through an engine whose decode steps run by bucket in `DecodeGraphs`
+    (on the CPU its `_EagerReplay` stands in for the capture), and the (batch, context) buckets captured.
+    Buckets 1, 2, 4: a batch of 3 replays bucket 4, a batch of 5 runs eagerly."""
+    engine = Engine(loaded, EngineConfig(num_blocks=96, block_size=BLOCK))
+    backend = engine.runner.backend
+    assert backend is not None
+    kv = loaded.model.allocate_kv(97, BLOCK)  # one more block than the pool hands out: the padding rows'
+    graphs = DecodeGraphs(loaded.model, kv, 96, backend, buckets=(1, 2, 4))
+    engine.runner = ModelRunner(loaded.model, kv, backend, graphs)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = [s.output_ids for batch in batches for s in engine.generate_batch(batch, greedy)]
+    return outputs, sorted(graphs.graphs)
+
+
+def graphed_batches() -> list[list[list[int]]]:
+    gen = torch.Generator().manual_seed(5)
+    return [[torch.randint(3, 40000, (n,), generator=gen).tolist() for n in sizes] for sizes in ((6, 9, 13),
+                                                                                                  (5, 7, 8, 10, 11))]
+
+
+def test_graphed_decode_steps_give_the_eager_tokens(llama_folder: Path) -> None:
+    batches = graphed_batches()
+    loaded = load_model(llama_folder, torch.float32)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = Engine(loaded, EngineConfig(num_blocks=96, block_size=BLOCK))
+    expected = [s.output_ids for batch in batches for s in eager.generate_batch(batch, greedy)]
+    got, captured = run_graphed(load_model(llama_folder, torch.float32), batches)
+    assert got == expected
+    assert captured == [(4, 256)]  # the batch of 3 in bucket 4; the batch of 5 ran eagerly
+
+
+@pytest.mark.slow  # two processes load and run the model
+def test_tensor_parallel_2_runs_graphed_steps_on_every_rank(llama_folder: Path) -> None:
+    """The leader announces each graphed step once; the follower captures and replays the same bucket
+    in its own graphs (its collectives meet the leader's), interleaved with eager steps."""
+    batches = graphed_batches()
+    expected, _ = run_graphed(load_model(llama_folder, torch.float32), batches)
+    with start_tensor_parallel(llama_folder, torch.float32, "cpu", 2) as run:
+        got, captured = run_graphed(run.loaded, batches)
+    assert captured == [(4, 256)]
+    assert got == expected
+    assert not any(p.is_alive() for p in run.processes)
 
 
 @pytest.mark.slow
