@@ -35,7 +35,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheMana
         pack_linears(model)
     # Quantized projections: where their row kernels stop paying on this CPU (once per process).
     crossover.calibrate([m.packed for m in model.modules() if isinstance(m, QuantizedLinear) and m.packed is not None])
-    # MoE layers size their per-expert matmuls from the routing on the host: not capturable.
+    # Models whose step syncs with the host (Gemma 2's capped reference attention) say so: not capturable.
     graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
     compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
     # With CUDA graphs or a compiled step the storage holds one more block than the pool hands out:

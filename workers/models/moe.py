@@ -5,7 +5,9 @@ top-k -> renormalised to sum to 1 (Mixtral always, which equals a softmax over t
 Qwen3-MoE when `norm_topk_prob`). Dispatch is batched: the N*k (token, expert) pairs are sorted by
 expert, and each expert that received tokens runs once on its gathered rows (index_select, one
 gate/up matmul, one down matmul), its weighted output scattered back with index_add_. The Python
-loop is over active experts, never over tokens.
+loop is over active experts, never over tokens. On CUDA the experts run instead as one Triton grouped
+GEMM per projection (kernels/triton/moe_gemm.py), with no host synchronisation, so MoE models may
+capture their decode steps in CUDA graphs (GPU speed not measured).
 
 Expert weights are stacked: gate_up [E, 2I, H] ([gate; up] rows, as our dense layers fuse them)
 and down [E, H, I]. Checkpoint names: Mixtral `block_sparse_moe.{gate, experts.j.w1/w3/w2}`,
@@ -41,6 +43,10 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype).flatten()
         flat_experts = experts.flatten()  # pair p = (token p // k, expert flat_experts[p])
+        if x.is_cuda:  # one grouped GEMM per projection, no host sync (capturable)
+            from kernels.triton.moe_gemm import moe_forward  # Triton: loaded where it runs
+
+            return moe_forward(x.contiguous(), weights, flat_experts, self.gate_up, self.down, self.top_k)
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up.shape[0]).tolist()
         out = torch.zeros_like(x)
@@ -101,7 +107,7 @@ class Qwen3MoeDecoderLayer(_MoEMixin, Qwen3DecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     layer_class = MixtralDecoderLayer
     fused_decode_ok = False
-    cuda_graphs_ok = False  # the expert loop reads per-expert token counts on the host
+    cuda_graphs_ok = True  # on CUDA the experts are one grouped GEMM: no host sync (the CPU loop is never captured)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         remaining = dict(weights)
@@ -114,7 +120,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
     fused_decode_ok = False
-    cuda_graphs_ok = False
+    cuda_graphs_ok = True  # as Mixtral's
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         remaining = take_qk_norms(self, weights)
