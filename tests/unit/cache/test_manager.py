@@ -94,7 +94,7 @@ def test_blocks_that_left_a_sliding_window_go_back_and_the_path_stops_there() ->
     table = cache.match_and_lock("a", tokens).table
     cache.try_grow(table, 14)  # 4 blocks, the last one partly filled
     cache.commit("a", tokens[:4], table)  # the prompt's first block is cached; the rest is not
-    first, second, third, last = table.block_ids
+    first, second, _, last = table.block_ids
     assert table.drop_before(13) == 3  # keys from 13 on: only the block holding 12..15 stays
     assert table.block_ids == [NO_BLOCK] * 3 + [last] and table.held_ids == [last]
     assert cache.pool.ref_count(first) == 1 and cache.pool.ref_count(second) == 0  # tree's / free
