@@ -138,6 +138,47 @@ def test_a_sliding_window_gives_back_the_blocks_that_left_it(family) -> None:
     assert again.cached_len == 20 and again.output_ids == hf_greedy(theirs, prompt + [5, 6], 4)
 
 
+class OracleDrafter:
+    """Drafts the known greedy continuation with its last token wrong: each verification accepts
+    some tokens and rolls the rest back (the table truncates), whatever the random model says."""
+
+    def __init__(self, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.known = [(p, e) for p, e in zip(prompts, expected, strict=True)]
+
+    def propose(self, token_ids, k: int, key=None) -> list[int]:
+        for prompt, continuation in self.known:
+            if list(token_ids[: len(prompt)]) == prompt:
+                draft = continuation[len(token_ids) - len(prompt):][:k]
+                return draft[:-1] + [(draft[-1] + 1) % 1000] if draft else []
+        return []
+
+
+@pytest.mark.parametrize("family", ["phi3-window"], indirect=True)
+@pytest.mark.parametrize("regime", ["preempting", "speculative"])
+def test_a_sliding_window_that_gives_blocks_back_keeps_the_tokens(family, regime: str) -> None:
+    """Blocks given back under preemption (a 9-block cache, prompts in chunks of 8: recomputed sequences
+    hit their prompts' blocks and drop again) and under drafts (rejected draft tokens truncate the
+    table): transformers' greedy tokens either way, pool and tree consistent at the end."""
+    _, loaded, theirs = family
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (22,), generator=gen).tolist() for _ in range(3)]
+    expected = [hf_greedy(theirs, p, 30) for p in prompts]
+    config = (EngineConfig(num_blocks=9, block_size=4, max_batch_tokens=8) if regime == "preempting" else
+              EngineConfig(num_blocks=64, block_size=4, speculative="ngram", speculative_timed=False))
+    engine = Engine(loaded, config)
+    if regime == "speculative":
+        engine.drafter = OracleDrafter(prompts, expected)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert [s.output_ids for s in engine.generate_batch(prompts, params)] == expected
+    engine.check_integrity()
+    assert engine.cache.all_free_or_evictable()
+    if regime == "preempting":
+        assert engine.scheduler.preemptions > 0
+    else:
+        stats = engine.spec_stats
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
 @pytest.mark.slow
 def test_qwen3_generate_cli_equals_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 smollm2_folder: Path) -> None:
