@@ -1,6 +1,6 @@
 """The MoE grouped GEMM (kernels/triton/moe_gemm.py) in Triton's CPU interpreter (compiled on CUDA in
 the `gpu` test): the pair layout, each grouped matmul against torch per pair, and the whole expert
-feed-forward against SparseMoE's per-expert loop."""
+feed-forward against SparseMoE's CPU path (padded bmm or per-expert loop)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def sparse_moe(experts: int, top_k: int, seed: int) -> SparseMoE:
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (5, 8, 2), (33, 4, 1), (9, 8, 2)])
-def test_moe_forward_equals_the_per_expert_loop(tokens: int, experts: int, top_k: int) -> None:
+def test_moe_forward_equals_the_cpu_path(tokens: int, experts: int, top_k: int) -> None:
     moe = sparse_moe(experts, top_k, seed=tokens)
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(100 + tokens))
     with torch.no_grad():
@@ -92,3 +92,20 @@ def test_moe_forward_on_cuda_equals_the_loop_on_the_cpu() -> None:
         expected = moe(x)
         got = moe.to("cuda")(x.to("cuda")).cpu()  # SparseMoE runs moe_forward on CUDA
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("routing", ["even", "one expert", "some idle"])
+def test_the_cpu_s_padded_and_per_expert_paths_agree(routing: str) -> None:
+    """The padded bmm path (few experts, even routing) against the per-expert loop, on the same pairs."""
+    moe = sparse_moe(8, 2, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(20, 32, generator=gen)
+    experts = {"even": torch.randint(0, 8, (40,), generator=gen),
+               "one expert": torch.full((40,), 3),
+               "some idle": torch.randint(0, 3, (40,), generator=gen) * 3}[routing]
+    weights = torch.rand(40, generator=gen)
+    counts = torch.bincount(experts, minlength=8)
+    with torch.no_grad():
+        padded = moe._padded(x, weights, experts, counts, int(counts.max()))
+        looped = moe._per_expert(x, weights, experts, counts.tolist())
+    assert torch.allclose(padded, looped, atol=1e-5, rtol=1e-5)
