@@ -22,6 +22,12 @@ Backend = Literal["reference", "cpu", "native", "triton"]
 BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "native", "triton")
 
 
+def table_row(block_ids: Sequence[int]) -> torch.Tensor:
+    """A sequence's block ids as an int32 row of a block-table tensor. A slot a sliding window gave back
+    (a negative id, cache.block_table.NO_BLOCK) reads block 0, real memory that the kernels mask."""
+    return torch.as_tensor(list(block_ids), dtype=torch.int32).clamp_(min=0)
+
+
 @dataclass
 class PagedAttentionMetadata:
     query_start: torch.Tensor  # [S + 1] int32, cumulative new-token counts
@@ -84,8 +90,8 @@ class PagedAttentionMetadata:
                 raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {ctx} tokens")
         max_blocks = max(len(t) for t in block_tables)
         padded = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-        for row, blocks in enumerate(block_tables):  # a slot a sliding window dropped (-1) reads block 0
-            padded[row, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32).clamp_(min=0)
+        for row, blocks in enumerate(block_tables):
+            padded[row, : len(blocks)] = table_row(blocks)
         meta = cls.from_tables(query_lens, context_lens, padded.to(device), block_size, backend)
         meta.tables_as_lists = [[max(b, 0) for b in t] for t in block_tables]
         return meta

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.expert_pairs import group_by_expert
 from kernels.triton.common import dot_precision, tile_dot, upcast_dots
 
 BLOCK_M = 16  # slots per program: tl.dot's smallest tile; decode batches route few pairs per expert
@@ -45,9 +46,7 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
     counts.scatter_add_(0, experts, torch.ones_like(experts))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    order = experts.argsort(stable=True)  # pairs by expert, each expert's in pair order
-    sorted_experts = experts[order]
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    order, sorted_experts, rank = group_by_expert(experts, counts)
     slots = max_blocks(num_pairs, num_experts, block_m) * block_m
     sorted_pairs = torch.full((slots,), num_pairs, dtype=torch.int64, device=device)
     sorted_pairs[(padded_end - padded)[sorted_experts] + rank] = order

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cache.block_table import BlockTable
+from kernels.metadata import table_row
 
 
 @dataclass
@@ -52,7 +53,7 @@ class BlockTableRows:
             if len(blocks) > self.rows.shape[1]:
                 self._grow(rows=self.rows.shape[0], width=max(len(blocks), 2 * self.rows.shape[1]))
             row = self.rows[mirror.row]
-            row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32).clamp_(min=0)  # NO_BLOCK slots read block 0
+            row[: len(blocks)] = table_row(blocks)  # NO_BLOCK slots read block 0
             row[len(blocks) : mirror.num_blocks] = 0
             mirror.version, mirror.num_blocks = table.version, len(blocks)
             self.num_rewrites += 1

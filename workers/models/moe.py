@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.expert_pairs import group_by_expert
 from workers.models.config import ModelConfig
 from workers.models.llama import DecoderLayer, LlamaForCausalLM
 from workers.models.qwen3 import Qwen3DecoderLayer, take_qk_norms
@@ -44,6 +45,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (weight dtype) -> [N, H]."""
+        if x.shape[0] == 0:  # no tokens (a shape, known on the host): nothing to route
+            return torch.zeros_like(x)
         probs = F.softmax(self.router(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.renormalize:
@@ -64,10 +67,8 @@ class SparseMoE(nn.Module):
     def _padded(self, x: torch.Tensor, weights: torch.Tensor, flat_experts: torch.Tensor, counts: torch.Tensor,
                 cap: int) -> torch.Tensor:
         """Every expert's pairs in its own `cap` rows (zeros past its count), two bmm's for all experts."""
-        num_experts, num_pairs = self.gate_up.shape[0], flat_experts.numel()
-        order = flat_experts.argsort(stable=True)
-        sorted_experts = flat_experts[order]
-        rank = torch.arange(num_pairs, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+        num_experts = self.gate_up.shape[0]
+        order, sorted_experts, rank = group_by_expert(flat_experts, counts)
         slots = sorted_experts * cap + rank  # pair order[i]'s row among the experts' stacked rows
         tokens = order // self.top_k
         rows = x.new_zeros(num_experts * cap, x.shape[1])

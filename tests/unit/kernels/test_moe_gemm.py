@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.expert_pairs import group_by_expert
 from kernels.triton.moe_gemm import BLOCK_M, align_pairs, grouped_matmul, max_blocks, moe_forward
 from workers.models.config import ModelConfig
 from workers.models.moe import SparseMoE
@@ -149,3 +150,18 @@ def test_the_cpu_s_padded_and_per_expert_paths_agree(routing: str) -> None:
         padded = moe._padded(x, weights, experts, counts, int(counts.max()))
         looped = moe._per_expert(x, weights, experts, counts.tolist())
     assert torch.allclose(padded, looped, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_with_no_tokens_routes_nothing() -> None:
+    moe = sparse_moe(4, 2, seed=7)
+    with torch.no_grad():
+        out = moe(torch.empty(0, 32))
+    assert out.shape == (0, 32)
+
+
+def test_pairs_grouped_by_expert_know_their_rank_within_it() -> None:
+    experts = torch.tensor([2, 0, 2, 1, 2, 0])
+    order, sorted_experts, rank = group_by_expert(experts, torch.bincount(experts, minlength=4))
+    assert order.tolist() == [1, 5, 3, 0, 2, 4]  # stable: each expert's pairs in pair order
+    assert sorted_experts.tolist() == [0, 0, 1, 2, 2, 2]
+    assert rank.tolist() == [0, 1, 0, 0, 1, 2]
