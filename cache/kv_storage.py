@@ -1,6 +1,7 @@
 """Paged KV storage: per layer K and V tensors indexed by block id, sized from a memory budget.
 
-Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A token's K/V row for all
+Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (an int8 cache adds each row's
+fp32 scale: head_dim + 4 int8, kernels/kv_int8.py). A token's K/V row for all
 heads is contiguous, so storing one new token is a single row write at its slot
 (slot = block_id * block_size + offset, viewing the tensor as [num_slots, heads, dim]); attention
 kernels read whole blocks through the block table, and gathering a sequence's blocks yields
@@ -13,6 +14,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+
+from kernels.kv_int8 import row_width
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -27,14 +30,14 @@ class KVStorage:
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize
 
     @classmethod
     def from_budget(

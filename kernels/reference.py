@@ -1,7 +1,8 @@
 """Torch reference for the paged ops: slow, short, obviously correct; the yardstick for the others.
 
 Shapes shared by every backend:
-- K/V cache per layer: [num_blocks, block_size, num_kv_heads, head_dim];
+- K/V cache per layer: [num_blocks, block_size, num_kv_heads, head_dim] (head_dim + 4 in an int8 cache:
+  kernels/kv_int8.py);
 - store_kv: key/value [N, Hkv, D] written at flat slots [N] (a negative slot is skipped);
 - decode_attention: q [B, Hq, D], one new token per sequence whose K/V is already stored;
 - extend_attention: q [N, Hq, D] packed by `query_start`; each sequence's new tokens (already
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_int8 import dequantize, is_int8, narrow
 from kernels.metadata import PagedAttentionMetadata
 
 
@@ -25,8 +27,8 @@ def store_kv(
     block_size = k_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            k_cache[slot // block_size, slot % block_size] = key[token]
-            v_cache[slot // block_size, slot % block_size] = value[token]
+            k_cache[slot // block_size, slot % block_size] = narrow(key[token], k_cache)
+            v_cache[slot // block_size, slot % block_size] = narrow(value[token], v_cache)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -34,7 +36,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     block_size = cache.shape[1]
     positions = torch.arange(length, device=cache.device)
     blocks = block_table[positions // block_size].long()
-    return cache[blocks, positions % block_size]
+    rows = cache[blocks, positions % block_size]
+    return dequantize(rows, torch.float32) if is_int8(cache) else rows
 
 
 def attend_one_sequence(

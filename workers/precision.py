@@ -42,13 +42,14 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
-KV_CACHE_DTYPE_CHOICES = ("model", "float16", "bfloat16")
+KV_CACHE_DTYPE_CHOICES = ("model", "float16", "bfloat16", "int8")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The KV cache's dtype for a `TOLLWAY_KV_CACHE_DTYPE` choice: `model` is the model's own; float16 or
     bfloat16 store an fp32 model's K/V in half the bytes (the attention kernels widen them to fp32 as they
-    read), on a CPU only: the Triton kernels read the model's dtype. ValueError for anything else."""
+    read); int8 stores any model's K/V as int8 codes with a scale per token and head (kernels/kv_int8.py).
+    On a CPU only: the Triton kernels read the model's dtype. ValueError for anything else."""
     if name == "model" or DTYPES.get(name) == model_dtype:
         return model_dtype
     if name not in KV_CACHE_DTYPE_CHOICES:
@@ -56,6 +57,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device_type: str
     if device_type != "cpu":
         raise ValueError(f"a {name} KV cache under a {model_dtype} model runs on a CPU only (the Triton "
                          "kernels read the model's dtype); use TOLLWAY_KV_CACHE_DTYPE=model")
+    if name == "int8":
+        return torch.int8
     if model_dtype != torch.float32:
         raise ValueError(f"a {name} KV cache needs an fp32 model (the model runs in {model_dtype}); "
                          "use TOLLWAY_KV_CACHE_DTYPE=model")

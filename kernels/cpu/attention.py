@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.cascade import CascadePlan, cascade_decode, plan_cascade
 from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
+from kernels.kv_int8 import as_stored, narrow, widen
 from kernels.metadata import PagedAttentionMetadata
 
 
@@ -29,9 +30,9 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write key/value [N, Hkv, D] at their flat slots (every slot must be valid, i.e. >= 0), rounded
-    to the caches' dtype when it is narrower than theirs (`TOLLWAY_KV_CACHE_DTYPE`)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    to the caches' dtype when it is narrower than theirs, or quantized (`TOLLWAY_KV_CACHE_DTYPE`)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, narrow(key, k_cache))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, narrow(value, v_cache))
 
 
 @dataclass
@@ -59,11 +60,6 @@ def prepare_decode(
     return DecodePlan(block_index, mask)
 
 
-def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x as the cache holds it, back in x's dtype (x itself when the cache has its dtype)."""
-    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
-
-
 def gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """[num_seqs, blocks * block_size, Hkv, D] from the listed blocks, in order."""
     gathered = cache.index_select(0, block_index)
@@ -79,7 +75,7 @@ def decode_attention(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     keys, values = plan.buffers.gather(k_cache, v_cache, plan.block_index)
-    keys, values = per_sequence(keys.to(q.dtype), batch), per_sequence(values.to(q.dtype), batch)  # [B, Hkv, L, D]
+    keys, values = per_sequence(widen(keys, q.dtype), batch), per_sequence(widen(values, q.dtype), batch)  # [B, Hkv, L, D]
     grouped = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
@@ -133,15 +129,15 @@ def extend_attention(
         queries = q[seq.begin : seq.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
         if seq.block_index is None and new_keys is not None and new_values is not None:
             # as stored: a narrower cache rounds them, and a later prefix hit must read the same values
-            keys = as_cached(new_keys[seq.begin : seq.end], k_cache).transpose(0, 1).unsqueeze(0)
-            values = as_cached(new_values[seq.begin : seq.end], v_cache).transpose(0, 1).unsqueeze(0)
+            keys = as_stored(new_keys[seq.begin : seq.end], k_cache).transpose(0, 1).unsqueeze(0)
+            values = as_stored(new_values[seq.begin : seq.end], v_cache).transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             block_index = seq.block_index
             if block_index is None:  # fresh sequence but no new K/V given: read them back from the cache
                 block_index = block_tables[seq.index, : -(-seq.length // k_cache.shape[1])].long()
-            keys = gather_blocks(k_cache, block_index, 1)[:, : seq.length].transpose(1, 2).to(q.dtype)
-            values = gather_blocks(v_cache, block_index, 1)[:, : seq.length].transpose(1, 2).to(q.dtype)
+            keys = widen(gather_blocks(k_cache, block_index, 1)[:, : seq.length], q.dtype).transpose(1, 2)
+            values = widen(gather_blocks(v_cache, block_index, 1)[:, : seq.length], q.dtype).transpose(1, 2)
             mask = seq.mask
             attn = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa

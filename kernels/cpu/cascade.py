@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.cpu.common import GatherBuffers, per_sequence, visibility_mask
+from kernels.kv_int8 import widen
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -117,14 +118,14 @@ def cascade_decode(
     groups, members = plan.num_groups, plan.max_members
     grouped = q.view(batch, num_kv_heads, group_size, head_dim)
     keys, values = plan.own_buffers.gather(k_cache, v_cache, plan.own_index)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)  # no copy unless the cache is narrower (fp16/bf16)
+    keys, values = widen(keys, q.dtype), widen(values, q.dtype)  # no copy unless the cache is narrower
     own_out, own_lse = _flash_with_lse(grouped, per_sequence(keys, batch), per_sequence(values, batch), 0.0,
                                        False, attn_mask=plan.own_mask, scale=scale)
     # every group's members attend its shared blocks: one call for all groups
     rows = grouped.index_select(0, plan.member_rows).view(groups, members, num_kv_heads, group_size, head_dim)
     rows = rows.transpose(1, 2).reshape(groups, num_kv_heads, members * group_size, head_dim)
     keys, values = plan.shared_buffers.gather(k_cache, v_cache, plan.shared_index)
-    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    keys, values = widen(keys, q.dtype), widen(values, q.dtype)
     shared_out, shared_lse = _flash_with_lse(rows, per_sequence(keys, groups), per_sequence(values, groups), 0.0,
                                              False, attn_mask=plan.shared_mask, scale=scale)
     shared_out = shared_out.view(groups, num_kv_heads, members, group_size, head_dim).transpose(1, 2)

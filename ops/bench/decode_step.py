@@ -5,7 +5,8 @@ in bf16 (only where the CPU computes bf16 natively) and fp32, in one run.
 One engine per dtype prefills `--batch` unrelated prompts of `--context` tokens, then runs
 `--steps` decode steps on the `cpu` backend, switches the same engine (same sequences, same KV) to
 `native` (packing its linears) and runs `--steps` more. The fp32 model runs once per KV cache dtype
-of `--kv-cache-dtypes` (`TOLLWAY_KV_CACHE_DTYPE`: model, float16, bfloat16). After each step the step's matmuls alone
+of `--kv-cache-dtypes` (`TOLLWAY_KV_CACHE_DTYPE`: model, float16, bfloat16, int8), the bf16 model once per
+`--bf16-kv-cache-dtypes` (model, int8). After each step the step's matmuls alone
 (every layer's four projections and the LM head on [batch, ·] inputs, through the same modules the
 step used) are timed once, so each ratio compares two medians taken under the same load.
 
@@ -142,8 +143,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=380)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--kv-cache-dtypes", default="model,float16",
+    parser.add_argument("--kv-cache-dtypes", default="model,float16,int8",
                         help="TOLLWAY_KV_CACHE_DTYPE values to run the fp32 model with (comma-separated)")
+    parser.add_argument("--bf16-kv-cache-dtypes", default="model,int8",
+                        help="TOLLWAY_KV_CACHE_DTYPE values to run the bf16 model with, where the CPU computes bf16")
     parser.add_argument("--compile", action="store_true",
                         help="also the torch.compile'd step (TOLLWAY_COMPILE=decode) on both backends")
     parser.add_argument("--warm-buckets", default="",
@@ -156,7 +159,8 @@ def main() -> None:
           f"CPU flags: {cpu_flags()}; torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")
     dtypes = [torch.bfloat16] if cpu_has_native_bf16() else []
     for dtype in dtypes:
-        run(folder, dtype, args.batch, args.context, args.steps, "model", args.compile, warm_buckets)
+        for kv_cache_dtype in args.bf16_kv_cache_dtypes.split(","):
+            run(folder, dtype, args.batch, args.context, args.steps, kv_cache_dtype, args.compile, warm_buckets)
     for kv_cache_dtype in args.kv_cache_dtypes.split(","):
         run(folder, torch.float32, args.batch, args.context, args.steps, kv_cache_dtype, args.compile, warm_buckets)
 

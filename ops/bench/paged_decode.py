@@ -6,7 +6,8 @@ the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8)
 - contiguous: each sequence's blocks in order (a fresh cache, prefilled sequence by sequence);
 - warm: the scattered layout, one layer's cache read 30 times (it stays in L2/L3: the op's compute).
 
-Prints the median of 10 timed rounds (after 2) per dtype and layout. To compare two versions of the
+Prints the median of 10 timed rounds (after 2) per dtype (q / cache: the model's own, or the int8 cache
+of kernels/kv_int8.py) and layout. To compare two versions of the
 kernel, run this from each checkout in turn (the library is built per source, `kernels/cpu/native/build.py`).
 
     PYTHONPATH=. .venv/bin/python ops/bench/paged_decode.py [--batch 32 --context 380 --threads 2]
@@ -22,16 +23,22 @@ import time
 import torch
 
 from kernels.cpu import native
+from kernels.kv_int8 import quantize
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 30, 3, 3, 64, 8
 
 
-def time_layout(dtype: torch.dtype, batch: int, context: int, layout: str) -> float:
+def cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    values = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return quantize(values) if dtype == torch.int8 else values.to(dtype)
+
+
+def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, context: int, layout: str) -> float:
     per_seq = (context + BLOCK - 1) // BLOCK
     num_blocks = batch * per_seq + 8
     distinct = 1 if layout == "warm" else LAYERS
-    keys = [torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(distinct)]
-    values = [torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(distinct)]
+    keys = [cache(num_blocks, cache_dtype) for _ in range(distinct)]
+    values = [cache(num_blocks, cache_dtype) for _ in range(distinct)]
     ids = list(range(num_blocks))
     if layout != "contiguous":
         random.Random(0).shuffle(ids)
@@ -60,9 +67,11 @@ def main() -> None:
     print(f"paged_decode, batch {args.batch} x {args.context} tokens, {LAYERS} layers, {args.threads} threads; "
           f"torch capability {torch.backends.cpu.get_cpu_capability()}")
     for dtype in (torch.bfloat16, torch.float32):
-        figures = "  ".join(f"{layout} {time_layout(dtype, args.batch, args.context, layout):6.1f} ms"
-                            for layout in ("scattered", "contiguous", "warm"))
-        print(f"{str(dtype).removeprefix('torch.'):9} {figures}")
+        for cache_dtype in (dtype, torch.int8):
+            figures = "  ".join(f"{layout} {time_layout(dtype, cache_dtype, args.batch, args.context, layout):6.1f} ms"
+                                for layout in ("scattered", "contiguous", "warm"))
+            name = f"{str(dtype).removeprefix('torch.')} / {str(cache_dtype).removeprefix('torch.')}"
+            print(f"{name:18} {figures}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 
 - `paged_decode(q [B, Hq, D], k_cache, v_cache, block_tables [B, M] int32, context_lens [B] int32,
   scale, window) -> [B, Hq, D]` (window 0 = none), D in {16, 32, 64, 128, 256}, Hq / Hkv <= 8; the
-  caches hold q's dtype, or fp16/bf16 under an fp32 q (`KV_CACHE_DTYPES`);
+  caches hold q's dtype, fp16/bf16 under an fp32 q, or int8 rows with their scale (kernels/kv_int8.py)
+  under either (`KV_CACHE_DTYPES`);
 - `add_rms_norm(residual [N, H] fp32 (updated in place), x [N, H] | None, weight, eps) -> normed`;
 - `rotary_store(qkv [N, (Hq + 2 Hkv) D] (q and k rotated in place), cos [N, D], sin, k_cache, v_cache,
-  slots [N] int64, Hq, Hkv)`: also writes k and v at their slots (rounded to the caches' dtype);
+  slots [N] int64, Hq, Hkv)`: also writes k and v at their slots (rounded to the caches' dtype, or
+  quantized into an int8 cache exactly as `kv_int8.quantize` does);
 - `silu_mul(gate_up [N, 2I]) -> [N, I]`;
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 8
 DTYPES = (torch.float32, torch.bfloat16)
-KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}
+KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16, torch.int8),
+                   torch.bfloat16: (torch.bfloat16, torch.int8)}
 """For each compute dtype, the cache dtypes the attention ops read and write."""
 
 __all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason", "vnni"]

@@ -3,6 +3,7 @@
 // Built by kernels/cpu/native/build.py with AVX2 or AVX512 flags (CPU_CAPABILITY_* selects ATen's
 // Vectorized<float> width W = 8 or 16). Shapes follow kernels/reference.py:
 //   K/V cache per layer [num_blocks, block_size, Hkv, D] (rows of one token contiguous: stride(3) == 1);
+//   an int8 cache's rows are D codes and their fp32 scale, [.., D + 4] (kernels/kv_int8.py);
 //   block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens held, the new one included).
 // Every op computes in fp32 and rounds to the tensor dtype (fp32 or bf16) where torch's eager ops
 // of the Python path round, so fp32 results match that path to the last bits or nearly.
@@ -17,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <cmath>
 #include <limits>
@@ -80,10 +82,66 @@ inline float round_to(float x) {
 }
 
 // The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
-// dtype, and fp16 or bf16 caches under fp32 compute.
+// dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per row) under either.
 inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
+  if (cache == at::kChar) return compute == at::kFloat || compute == at::kBFloat16;
   if (compute == at::kFloat) return cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16;
   return compute == at::kBFloat16 && cache == at::kBFloat16;
+}
+
+// ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
+// A row of one token and head: D int8 codes, then the fp32 scale s (4 bytes); value = code * s.
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+
+// W codes from p as floats.
+inline Vec load_codes(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[W];
+  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// x (D values of T) into an int8 row: s = max|x| / 127, codes round(x / s) (to nearest even, as torch.round),
+// computed in fp32 exactly as kv_int8.quantize does, so either path stores the same bytes.
+template <typename T>
+inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float code = std::nearbyint(static_cast<float>(x[i]) * inverse);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
+// Scores s[0, n) scaled by fscale, then softmaxed in place over n_padded lanes (the padding set to
+// exp(-inf) = 0); returns 1 / (sum of the exponentials), which the V sum multiplies by.
+inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscale) {
+  Vec m(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; ++i) s[i] *= fscale;
+  std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
+  const Vec row_max(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
+  Vec sum(0.f);
+  for (int64_t i = 0; i < n_padded; i += W) {
+    const Vec p = (Vec::loadu(s + i) - row_max).exp();
+    p.store(s + i);
+    sum = sum + p;
+  }
+  return 1.f / reduce_add(sum);
 }
 
 // ---- paged decode attention ------------------------------------------------------------------
@@ -264,19 +322,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           }
           s[i] = reduce_add(a);
         }
-        // softmax over the scaled scores: max, exp, sum (padding lanes exp(-inf) = 0)
-        Vec m(-std::numeric_limits<float>::infinity());
-        for (i = 0; i < n; ++i) s[i] *= fscale;
-        std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());
-        for (i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
-        const Vec row_max(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
-        Vec sum(0.f);
-        for (i = 0; i < n_padded; i += W) {
-          const Vec p = (Vec::loadu(s + i) - row_max).exp();
-          p.store(s + i);
-          sum = sum + p;
-        }
-        const Vec inv(1.f / reduce_add(sum));
+        const Vec inv(softmax_in_place(s, n, n_padded, fscale));
         // V sum: 2W dims at a time, accumulated in registers over the tokens
         for (int64_t d = 0; d < D; d += P) {
           Vec v0(0.f), v1(0.f), lo, hi;
@@ -293,6 +339,105 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       }
     }
   });
+}
+
+// paged_decode over an int8 cache: the same tasks as above; a row's D codes are widened W at a time and
+// its scale applied once per row (to the score after the dot product, to the probability before the V
+// sum), so the K and V bytes read per token and head are D + 4 instead of 2D or 4D.
+template <typename T, int64_t D>
+void paged_decode_int8_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+                            at::Tensor& out) {
+  static_assert(D % W == 0, "whole vectors of codes per row");
+  constexpr int64_t V = D / W;  // vectors per row
+  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), BS = k_cache.size(1);
+  const int64_t G = Hq / Hkv;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
+  const int64_t ts0 = tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const int8_t* kp = k_cache.data_ptr<int8_t>();
+  const int8_t* vp = v_cache.data_ptr<int8_t>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
+  const int64_t L = (max_len + W - 1) / W * W;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * L);
+    std::vector<int64_t> rows(L);  // byte offset of each context token's row for this head
+    std::vector<float> k_scales(L), v_scales(L);
+    alignas(64) float qf[D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t len = lp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start, n_padded = (n + W - 1) / W * W;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = start + i;
+        rows[i] = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+        k_scales[i] = row_scale(kp + rows[i], D);
+        v_scales[i] = row_scale(vp + rows[i], D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
+        Vec qv[V];
+        for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
+          if (g == 0) {
+            for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
+              for (int64_t byte = 0; byte < D + kScaleBytes; byte += 64) {
+                __builtin_prefetch(kp + rows[t] + byte, 0, 3);
+                __builtin_prefetch(vp + rows[t] + byte, 0, 3);
+              }
+            }
+          }
+          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+          for (int64_t j = 0; j < V; ++j) {
+            a0 = at::vec::fmadd(qv[j], load_codes(kp + rows[i] + j * W), a0);
+            a1 = at::vec::fmadd(qv[j], load_codes(kp + rows[i + 1] + j * W), a1);
+            a2 = at::vec::fmadd(qv[j], load_codes(kp + rows[i + 2] + j * W), a2);
+            a3 = at::vec::fmadd(qv[j], load_codes(kp + rows[i + 3] + j * W), a3);
+          }
+          reduce4(a0, a1, a2, a3, s + i);
+          for (int64_t t = i; t < i + 4; ++t) s[t] *= k_scales[t];
+        }
+        for (; i < n; ++i) {
+          Vec a(0.f);
+          for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(qv[j], load_codes(kp + rows[i] + j * W), a);
+          s[i] = reduce_add(a) * k_scales[i];
+        }
+        const Vec inv(softmax_in_place(s, n, n_padded, fscale));
+        Vec acc[V];
+        for (int64_t j = 0; j < V; ++j) acc[j] = Vec(0.f);
+        for (i = 0; i < n; ++i) {
+          const Vec p(s[i] * v_scales[i]);
+          for (int64_t j = 0; j < V; ++j) acc[j] = at::vec::fmadd(p, load_codes(vp + rows[i] + j * W), acc[j]);
+        }
+        alignas(64) float result[D];
+        for (int64_t j = 0; j < V; ++j) (acc[j] * inv).store(result + j * W);
+        store_floats(result, op + b * os0 + (h * G + g) * os1, D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void paged_decode_int8_dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& t,
+                                    const at::Tensor& l, double scale, int64_t window, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: return paged_decode_int8_impl<T, 16>(q, k, v, t, l, scale, window, out);
+    case 32: return paged_decode_int8_impl<T, 32>(q, k, v, t, l, scale, window, out);
+    case 64: return paged_decode_int8_impl<T, 64>(q, k, v, t, l, scale, window, out);
+    case 128: return paged_decode_int8_impl<T, 128>(q, k, v, t, l, scale, window, out);
+    case 256: return paged_decode_int8_impl<T, 256>(q, k, v, t, l, scale, window, out);
+    default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
+  }
 }
 
 template <typename T, typename C>
@@ -315,17 +460,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
               "paged_decode: head rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_pair_ok(q.scalar_type(), k_cache.scalar_type()),
-              "paged_decode: the caches must hold q's dtype, or fp16/bf16 under an fp32 q");
+              "paged_decode: the caches must hold q's dtype, fp16/bf16 under an fp32 q, or int8");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.stride(1) == 1 && context_lens.is_contiguous(),
               "paged_decode: block tables and context lengths must be int32 rows");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.size(2) + (int8_cache ? kScaleBytes : 0) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
                   q.size(1) / k_cache.size(2) <= kMaxGroup,
               "paged_decode: need head_dim equal and at most 8 query heads per KV head");
   TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const at::ScalarType cache = k_cache.scalar_type();
-  if (q.scalar_type() == at::kFloat && cache == at::kFloat) {
+  if (int8_cache && q.scalar_type() == at::kFloat) {
+    paged_decode_int8_dispatch_dim<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else if (int8_cache) {
+    paged_decode_int8_dispatch_dim<BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else if (q.scalar_type() == at::kFloat && cache == at::kFloat) {
     paged_decode_dispatch_dim<float, float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   } else if (q.scalar_type() == at::kFloat && cache == at::kHalf) {
     paged_decode_dispatch_dim<float, Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
@@ -393,12 +543,13 @@ at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x,
 // qkv [N, (Hq + 2 Hkv) * D] (q heads, k heads, v heads): q and k rotated in place ("rotate half"),
 // then k and v written at their flat slots of the caches (a negative slot is skipped). cos/sin
 // [N, D] in qkv's dtype. Each product and the sum are rounded as torch's `x * cos + rot * sin` does.
-// The caches hold C (T, or fp16/bf16 under fp32 T): k and v are rounded to it as they are written.
+// The caches hold C (T, or fp16/bf16 under fp32 T): k and v are rounded to it as they are written; an
+// int8 cache (C = int8_t) takes each head's row quantized (quantize_row).
 template <typename T, typename C>
 void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& slots, int64_t hq, int64_t hkv) {
-  const int64_t N = qkv.size(0), D = k_cache.size(3), half = D / 2, row_stride = qkv.stride(0);
-  const int64_t kv_row = hkv * D;
+                       at::Tensor& v_cache, const at::Tensor& slots, int64_t hq, int64_t hkv, int64_t D) {
+  const int64_t N = qkv.size(0), half = D / 2, row_stride = qkv.stride(0);
+  const int64_t kv_row = hkv * D, cache_row = hkv * k_cache.size(3);
   T* xp = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
@@ -423,7 +574,12 @@ void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
         }
       }
       if (slot[n] >= 0) {
-        if constexpr (std::is_same_v<T, C>) {
+        if constexpr (std::is_same_v<C, int8_t>) {
+          for (int64_t head = 0; head < hkv; ++head) {
+            quantize_row(row + (hq + head) * D, kc + slot[n] * cache_row + head * (D + kScaleBytes), D);
+            quantize_row(row + (hq + hkv + head) * D, vc + slot[n] * cache_row + head * (D + kScaleBytes), D);
+          }
+        } else if constexpr (std::is_same_v<T, C>) {
           std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
           std::copy(row + hq * D + kv_row, row + hq * D + 2 * kv_row, vc + slot[n] * kv_row);
         } else {  // T is fp32 here (kv_pair_ok)
@@ -439,7 +595,7 @@ void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
                   const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "rotary_store: caches must be contiguous and alike");
-  const int64_t D = k_cache.size(3);
+  const int64_t D = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D &&
                   k_cache.size(2) == num_kv_heads && D % 2 == 0,
               "rotary_store: qkv must be [N, (Hq + 2 Hkv) * D] with contiguous rows");
@@ -450,18 +606,24 @@ void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
               "rotary_store: slots must be int64 [N]");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type() &&
                   k_cache.scalar_type() == v_cache.scalar_type() && kv_pair_ok(qkv.scalar_type(), k_cache.scalar_type()),
-              "rotary_store: qkv and cos/sin must share a dtype, the caches hold it (or fp16/bf16 under fp32)");
+              "rotary_store: qkv and cos/sin must share a dtype, the caches hold it (fp16/bf16 under fp32, or int8)");
   const at::ScalarType cache = k_cache.scalar_type();
+  if (cache == at::kChar && qkv.scalar_type() == at::kFloat) {
+    return rotary_store_impl<float, int8_t>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  if (cache == at::kChar) {
+    return rotary_store_impl<BFloat16, int8_t>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
   if (qkv.scalar_type() == at::kFloat && cache == at::kFloat) {
-    return rotary_store_impl<float, float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+    return rotary_store_impl<float, float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
   }
   if (qkv.scalar_type() == at::kFloat && cache == at::kHalf) {
-    return rotary_store_impl<float, Half>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+    return rotary_store_impl<float, Half>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
   }
   if (qkv.scalar_type() == at::kFloat) {
-    return rotary_store_impl<float, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+    return rotary_store_impl<float, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
   }
-  rotary_store_impl<BFloat16, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads);
+  rotary_store_impl<BFloat16, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
 }
 
 // ---- SiLU(gate) * up ------------------------------------------------------------------------

@@ -92,7 +92,9 @@ def test_native_covers_cache_dtypes() -> None:
     assert native.covers(64, 9, 3, torch.float32, torch.bfloat16)
     assert native.covers(64, 9, 3, torch.bfloat16, None)
     assert not native.covers(64, 9, 3, torch.bfloat16, torch.float16)
-    assert not native.covers(64, 9, 3, torch.float32, torch.int8)
+    assert native.covers(64, 9, 3, torch.float32, torch.int8)
+    assert native.covers(64, 9, 3, torch.bfloat16, torch.int8)
+    assert not native.covers(64, 9, 3, torch.float32, torch.int16)
 
 
 def test_resolve_kv_cache_dtype() -> None:
@@ -104,5 +106,9 @@ def test_resolve_kv_cache_dtype() -> None:
         resolve_kv_cache_dtype("float16", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("float16", torch.float32, "cuda")
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, "cpu") == torch.int8
+    assert resolve_kv_cache_dtype("int8", torch.float32, "cpu") == torch.int8
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_cache_dtype("int8", torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
         resolve_kv_cache_dtype("int3", torch.float32, "cpu")

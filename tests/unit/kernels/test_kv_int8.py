@@ -1,0 +1,121 @@
+"""The int8 KV cache (kernels/kv_int8.py): rows of codes with their own fp32 scale. The round trip's error
+bound; every CPU backend's step on an int8 cache against the reference on the dequantized (fp32) copy;
+the native ops storing the same bytes as the torch path and reading them in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import native
+from kernels.dispatch import paged_attention
+from kernels.kv_int8 import SCALE_BYTES, as_stored, dequantize, quantize, row_width
+from kernels.metadata import PagedAttentionMetadata
+from tests.required import unavailable
+
+EXACT = {"atol": 1e-5, "rtol": 1e-5}  # fp32 compute on identical (dequantized) inputs: summation order only
+
+
+def needs_native() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_error_is_at_most_half_a_step_of_its_row(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]).to(dtype)
+    x[7, 1] = 0.0  # a row of zeros: scale 0, codes 0
+    rows = quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, 64 + SCALE_BYTES) == (50, 3, row_width(64, torch.int8))
+    codes = rows[..., :64]
+    assert int(codes.min()) >= -127 and int(codes.max()) <= 127
+    assert bool((codes.abs().amax(-1) == 127)[x.float().abs().amax(-1) > 0].all())  # each row's largest hits 127
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    back = dequantize(rows, torch.float32)
+    error = (back - x.float()).abs()
+    assert bool((error <= scale / 2 * (1 + 1e-5)).all())  # ties land on half a step exactly
+    assert torch.equal(back[7, 1], torch.zeros(64)) and float(scale[7, 1]) == 0.0
+
+
+def mixed_step(backend: str) -> PagedAttentionMetadata:
+    """Two decodes and one 9-token extend over a 31-token prefix, in blocks of 16."""
+    return PagedAttentionMetadata.build([1, 1, 9], [18, 1, 40], [[0, 1], [2], [3, 4, 5]], 16, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "native"])
+def test_step_on_an_int8_cache_equals_the_reference_on_its_dequantized_copy(dtype: torch.dtype, backend: str) -> None:
+    if backend == "native":
+        needs_native()
+    torch.manual_seed(5)
+    caches = [quantize(torch.randn(8, 16, 2, 64)), quantize(torch.randn(8, 16, 2, 64))]
+    q, k, v = (torch.randn(11, h, 64).to(dtype) for h in (6, 2, 2))
+    stored = [c.clone() for c in caches]
+    got = paged_attention(q, k, v, *stored, mixed_step(backend), 0.125)
+    wide = [dequantize(c, torch.float32) for c in caches]
+    expected = paged_attention(q.float(), as_stored(k.float(), stored[0]), as_stored(v.float(), stored[1]), *wide,
+                               mixed_step("reference"), 0.125)  # fp32 compute on the K/V as the int8 cache holds them
+    tolerance = EXACT if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16 q and outputs
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+    slots = mixed_step(backend).slot_mapping
+    assert torch.equal(stored[0].view(-1, 2, 64 + SCALE_BYTES)[slots], quantize(k))  # stored as quantize() says
+    assert torch.equal(dequantize(stored[1], torch.float32), wide[1])  # the reference's step wrote the same values
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_native_paged_decode_reads_int8_rows_in_place(head_dim: int, dtype: torch.dtype, window: int) -> None:
+    needs_native()
+    torch.manual_seed(6)
+    lengths = [1, 17, 200]
+    tables = [[0], [1, 2, 3], list(range(4, 4 + 25))]
+    meta = PagedAttentionMetadata.build([1] * 3, lengths, tables, 8)
+    k_cache, v_cache = quantize(torch.randn(30, 8, 3, head_dim) * 3), quantize(torch.randn(30, 8, 3, head_dim))
+    q = torch.randn(3, 9, head_dim).to(dtype)
+    expected = reference.decode_attention(q.float(), dequantize(k_cache, torch.float32),
+                                          dequantize(v_cache, torch.float32), meta.block_tables, meta.context_lens,
+                                          0.125, window or None)
+    got = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, window)
+    assert got.dtype == dtype
+    tolerance = EXACT if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # the output rounded to bf16
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+    with pytest.raises(RuntimeError, match="head_dim"):  # rows without their scale bytes
+        torch.ops.tollway_cpu.paged_decode(q, k_cache[..., :head_dim].contiguous(), v_cache[..., :head_dim].contiguous(),
+                                           meta.block_tables, meta.context_lens, 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rotary_store_writes_the_bytes_quantize_writes(dtype: torch.dtype) -> None:
+    needs_native()
+    torch.manual_seed(7)
+    n, hq, hkv, d = 3, 9, 3, 64
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)
+    angles = torch.rand(n, d // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    wide_k, wide_v = torch.zeros(2, 8, hkv, d, dtype=dtype), torch.zeros(2, 8, hkv, d, dtype=dtype)
+    int8_k, int8_v = (torch.zeros(2, 8, hkv, d + SCALE_BYTES, dtype=torch.int8) for _ in range(2))
+    slots = torch.tensor([0, 9, 15])
+    wide_qkv = qkv.clone()
+    torch.ops.tollway_cpu.rotary_store(wide_qkv, cos, sin, wide_k, wide_v, slots, hq, hkv)
+    torch.ops.tollway_cpu.rotary_store(qkv, cos, sin, int8_k, int8_v, slots, hq, hkv)
+    assert torch.equal(qkv, wide_qkv)  # q and k rotate alike whatever the cache
+    assert torch.equal(int8_k, quantize(wide_k)) and torch.equal(int8_v, quantize(wide_v))
+    assert int((int8_k.view(-1, hkv, d + SCALE_BYTES) != 0).any(dim=(1, 2)).sum()) == 3  # three slots written
+
+
+def test_cpu_cascade_over_a_shared_prefix_reads_an_int8_cache() -> None:
+    """Decodes sharing their first blocks: the CPU backend reads the shared blocks once (cascade.py)."""
+    torch.manual_seed(8)
+    tables, lengths = [[0, 1, 2], [0, 1, 3], [0, 1, 4]], [40, 35, 45]
+    meta = PagedAttentionMetadata.build([1] * 3, lengths, tables, 16, backend="cpu")
+    caches = [quantize(torch.randn(6, 16, 2, 64)), quantize(torch.randn(6, 16, 2, 64))]
+    q, k, v = torch.randn(3, 6, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    got = paged_attention(q, k, v, *caches, meta, 0.125)
+    assert any(key[0] == "cpu-cascade" and plan is not None for key, plan in meta.prepared.items())
+    wide = [dequantize(c, torch.float32) for c in caches]
+    expected = paged_attention(q, as_stored(k, caches[0]), as_stored(v, caches[1]), *wide, PagedAttentionMetadata.build([1] * 3, lengths, tables, 16,
+                                                                            backend="reference"), 0.125)
+    torch.testing.assert_close(got, expected, **EXACT)
