@@ -241,43 +241,60 @@ TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, const BFloat16* kp, const B
 }
 #endif
 
+// What both paged_decode kernels read of their arguments: shapes, strides, the tables and lengths, and
+// L, the longest context rounded up to whole vectors (the scores' row length per query head).
+struct DecodeGeometry {
+  int64_t B, Hkv, BS, G, qs0, qs1, os0, os1, cs0, cs1, cs2, ts0, L;
+  const int32_t* tables;
+  const int32_t* lens;
+
+  DecodeGeometry(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables_, const at::Tensor& lens_,
+                 const at::Tensor& out)
+      : B(q.size(0)), Hkv(k_cache.size(2)), BS(k_cache.size(1)), G(q.size(1) / k_cache.size(2)), qs0(q.stride(0)),
+        qs1(q.stride(1)), os0(out.stride(0)), os1(out.stride(1)), cs0(k_cache.stride(0)), cs1(k_cache.stride(1)),
+        cs2(k_cache.stride(2)), ts0(tables_.stride(0)), tables(tables_.data_ptr<int32_t>()),
+        lens(lens_.data_ptr<int32_t>()) {
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+    L = (max_len + W - 1) / W * W;
+  }
+  // The first token sequence b attends to (where its window starts; 0 without one).
+  int64_t start(int64_t b, int64_t window) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
+  // The offset, in cache elements, of token t's row for KV head h of sequence b.
+  int64_t row(int64_t b, int64_t t, int64_t h) const {
+    return int64_t(tables[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+  }
+  int64_t q_offset(int64_t b, int64_t head) const { return b * qs0 + head * qs1; }
+  int64_t out_offset(int64_t b, int64_t head) const { return b * os0 + head * os1; }
+};
+
 template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
                        at::Tensor& out) {
   constexpr int64_t P = D < 2 * W ? W : 2 * W;  // floats per load_pair (the row's values it covers)
-  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), BS = k_cache.size(1);
-  const int64_t G = Hq / Hkv;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
-  const int64_t ts0 = tables.stride(0);
+  const DecodeGeometry geo(q, k_cache, tables, lens, out);
+  const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
   const T* qp = q.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
-  const int64_t L = (max_len + W - 1) / W * W;
   const float fscale = static_cast<float>(scale);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool bf16_dot = bf16_dot_available();  // bf16 q and cache: the scores as bf16 dot products
 #endif
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L);
     std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
     alignas(64) float qf[D];
     alignas(64) float acc[D];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t len = lp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start, n_padded = (n + W - 1) / W * W;
+      const int64_t start = geo.start(b, window);
+      const int64_t n = geo.lens[b] - start, n_padded = (n + W - 1) / W * W;
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = start + i;
-        rows[i] = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+        rows[i] = geo.row(b, start + i, h);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * L;
@@ -285,12 +302,12 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #if defined(CPU_CAPABILITY_AVX512)
         if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
           if (bf16_dot) {
-            scores_bf16<D>(qp + b * qs0 + (h * G + g) * qs1, kp, vp, rows.data(), n, s, g == 0);
+            scores_bf16<D>(qp + geo.q_offset(b, h * G + g), kp, vp, rows.data(), n, s, g == 0);
             i = n;  // every score done: on to the softmax
           }
         }
 #endif
-        if (i < n) load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
+        if (i < n) load_floats(qp + geo.q_offset(b, h * G + g), qf, D);
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
           if (g == 0) {  // the first head fetches K and V rows kPrefetch tokens ahead (blocks are scattered)
             for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
@@ -335,7 +352,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           (v0 * inv).store(acc + d);
           if (P > W) (v1 * inv).store(acc + d + W);
         }
-        store_floats(acc, op + b * os0 + (h * G + g) * os1, D);
+        store_floats(acc, op + geo.out_offset(b, h * G + g), D);
       }
     }
   });
@@ -350,41 +367,31 @@ void paged_decode_int8_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
                             at::Tensor& out) {
   static_assert(D % W == 0, "whole vectors of codes per row");
   constexpr int64_t V = D / W;  // vectors per row
-  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), BS = k_cache.size(1);
-  const int64_t G = Hq / Hkv;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
-  const int64_t ts0 = tables.stride(0);
+  const DecodeGeometry geo(q, k_cache, tables, lens, out);
+  const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
   const T* qp = q.data_ptr<T>();
   const int8_t* kp = k_cache.data_ptr<int8_t>();
   const int8_t* vp = v_cache.data_ptr<int8_t>();
   T* op = out.data_ptr<T>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lp[b]);
-  const int64_t L = (max_len + W - 1) / W * W;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L);
     std::vector<int64_t> rows(L);  // byte offset of each context token's row for this head
     std::vector<float> k_scales(L), v_scales(L);
     alignas(64) float qf[D];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t len = lp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start, n_padded = (n + W - 1) / W * W;
+      const int64_t start = geo.start(b, window);
+      const int64_t n = geo.lens[b] - start, n_padded = (n + W - 1) / W * W;
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = start + i;
-        rows[i] = int64_t(tp[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+        rows[i] = geo.row(b, start + i, h);
         k_scales[i] = row_scale(kp + rows[i], D);
         v_scales[i] = row_scale(vp + rows[i], D);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * L;
-        load_floats(qp + b * qs0 + (h * G + g) * qs1, qf, D);
+        load_floats(qp + geo.q_offset(b, h * G + g), qf, D);
         Vec qv[V];
         for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
         int64_t i = 0;
@@ -421,7 +428,7 @@ void paged_decode_int8_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         }
         alignas(64) float result[D];
         for (int64_t j = 0; j < V; ++j) (acc[j] * inv).store(result + j * W);
-        store_floats(result, op + b * os0 + (h * G + g) * os1, D);
+        store_floats(result, op + geo.out_offset(b, h * G + g), D);
       }
     }
   });
