@@ -181,9 +181,18 @@ def decode_step() -> Iterator[None]:
         _DECODE_STEP.reset(token)
 
 
+@torch.compiler.assume_constant_result
+def in_decode_step() -> bool:
+    """Whether the caller is within `decode_step()`. Under `torch.compile` the answer is read once, while
+    tracing, and kept in the graph (dynamo cannot read a ContextVar): a compiled graph of quantized matmuls
+    must therefore always be called as it was traced (workers/engine/compiled_decode.py: decode steps only,
+    always within `decode_step()`)."""
+    return _DECODE_STEP.get()
+
+
 def rounds_activations(packed: CpuPacked) -> bool:
     """Whether a call on `packed` now runs an int8-activation kernel (its packing allows, a decode step)."""
-    return packed.int8_activations and _DECODE_STEP.get()
+    return packed.int8_activations and in_decode_step()
 
 
 def int8_activations(dtype: torch.dtype, in_features: int) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
+from kernels.quantized import cpu as quantized_cpu
 from workers.engine.graph_buckets import DEFAULT_BATCH_BUCKETS, batch_bucket, context_bucket, pad_decode_batch
 from workers.models.fixed_decode import decode_logits
 from workers.models.llama import LlamaForCausalLM
@@ -114,7 +115,9 @@ class CompiledDecode:
         start = time.perf_counter()
         try:
             # The limit counts graphs per compiled function: ours holds one per bucket key by design.
-            with torch._dynamo.config.patch(recompile_limit=self._limit), torch.inference_mode():
+            # decode_step(): quantized matmuls take x as a decode step does (kept in the graph when traced)
+            with torch._dynamo.config.patch(recompile_limit=self._limit), torch.inference_mode(), \
+                    quantized_cpu.decode_step():
                 logits = self._step(input_ids, meta.positions, meta.slot_mapping, tables, meta.context_lens)
         except Exception as exc:  # eager from now on; a partial step is redone (its K/V writes are idempotent)
             self.failed = f"{type(exc).__name__}: {exc}"

@@ -142,6 +142,34 @@ def test_varied_batch_sizes_compile_once_per_bucket(tmp_path: Path, backend: str
     assert counters["stats"]["unique_graphs"] == len(buckets)
 
 
+@pytest.mark.slow
+def test_compiled_quantized_step_takes_the_decode_steps_kernels(tmp_path: Path) -> None:
+    """An int4 model's compiled step runs the kernels an eager decode step runs: on AVX512-VNNI the
+    int8-activation ones (whose choice is read while tracing, kernels/quantized/cpu.in_decode_step),
+    elsewhere the float row kernel; its logits are the eager decode step's to bf16 rounding."""
+    from kernels.quantized import cpu as quantized_cpu
+    from workers.models.tiny import write_tiny_model_folder
+
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    folder = write_tiny_model_folder(tmp_path / "m", "llama", seed=5)
+    model = load_model(folder, torch.bfloat16, quantization="int4").model
+    kv, tables, dummy_block = prefilled(model, [3, 17, 40], num_blocks=40)
+    ids = torch.tensor([5, 9, 17])
+    saved = [c.clone() for c in (*kv.keys, *kv.values)]
+    with quantized_cpu.decode_step():
+        eager = model(ids, kv, decode_meta(tables, "native"))
+    for cache, before in zip((*kv.keys, *kv.values), saved, strict=True):
+        cache.copy_(before)
+    torch._dynamo.reset()
+    compiled = CompiledDecode(model, kv, dummy_block, "native")
+    got, codes = run_and_get_code(compiled.run, ids, decode_meta(tables, "native"), torch.arange(3))
+    assert got is not None, compiled.failed
+    assert any("int4_matmul" in code for code in codes)
+    assert any("int4_matmul_q8" in code for code in codes) == native.vnni()
+    torch.testing.assert_close(got.float(), eager.float(), atol=5e-2, rtol=5e-2)
+
+
 def test_compile_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
