@@ -8,8 +8,8 @@ Keeping the scale inside the row keeps one tensor per layer and cache, so slots,
 parallel shards and every kernel signature stay as they are for the other cache dtypes.
 
 The torch paths (`kernels.cpu`, `kernels.reference`) gather rows and widen them with `widen`; the native
-CPU ops (kernels/cpu/native/tollway_cpu.cpp) quantize in `rotary_store` and read the codes in place in
-`paged_decode`, with the same arithmetic in fp32 as `quantize` (so a row is stored identically by either,
+CPU ops quantize in `rotary_store` (kernels/cpu/native/layer_ops.cpp) and read the codes in place in
+`paged_decode` (paged_decode_int8.cpp), with the same arithmetic in fp32 as `quantize` (so a row is stored identically by either,
 and a prefix hit reads what a cold prompt wrote). Not on CUDA: the Triton kernels read float caches.
 """
 

@@ -1,8 +1,8 @@
-"""Compiling the native sources (`SOURCES`: `tollway_cpu.cpp`, `quantized_matmul.cpp`) once per machine into
+"""Compiling the native sources (`SOURCES`, with the `HEADERS` they include) once per machine into
 one library and loading it into the process.
 
 The shared library is cached under `$TOLLWAY_KERNEL_CACHE` (default `~/.cache/tollway/kernels`) in a
-folder named by a hash of the sources, the compiler flags and the torch version, so a new source, a
+folder named by a hash of the sources and headers, the compiler flags and the torch version, so a new source, a
 different torch or a CPU with other vector units builds its own copy and never loads a stale one.
 The vector flags come from what torch detected on this CPU at run time
 (`torch.backends.cpu.get_cpu_capability()`: AVX512 or AVX2); never `-march=native`, so the cache
@@ -28,9 +28,14 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("tollway_cpu.cpp", "quantized_matmul.cpp", "quantized_vnni.cpp"))
-"""Compiled together into one library: the decode step's ops and the weight-only quantized matmuls (the
-VNNI ones compiled for that extension alone and called only where the CPU has it)."""
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "tollway_cpu.cpp", "paged_decode.cpp", "paged_decode_int8.cpp", "layer_ops.cpp", "quantized_matmul.cpp",
+    "quantized_vnni.cpp"))
+"""Compiled together into one library (`tollway_cpu.cpp` defines it, the others add their ops): the decode
+step's attention and small fused ops, and the weight-only quantized matmuls (the VNNI ones compiled for that
+extension alone and called only where the CPU has it)."""
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "paged_decode.h"))
+"""Included by the sources: part of the cache key as they are."""
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
@@ -77,7 +82,7 @@ def command(output: Path) -> list[str]:
 
 def library_path() -> Path:
     """Where this machine's build of the current source lives (it may not exist yet)."""
-    key_parts = [*(source.read_bytes() for source in SOURCES), " ".join([*BASE_FLAGS, *vector_flags()]).encode(),
+    key_parts = [*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join([*BASE_FLAGS, *vector_flags()]).encode(),
                  torch.__version__.encode()]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     return cache_root() / f"tollway_cpu-{key}" / "tollway_cpu.so"

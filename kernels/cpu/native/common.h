@@ -1,0 +1,117 @@
+// Helpers shared by the native CPU ops' sources (kernels/cpu/native/build.py compiles them into one library):
+// ATen's float vector Vec (W = 8 or 16 lanes: CPU_CAPABILITY_* picks AVX2 or AVX512), loads and stores of
+// fp32/bf16/fp16 rows in fp32, the rounding torch's eager ops do, and the int8 KV cache's rows.
+// Header-only (inline and templates): each source gets its own copies, the library exports none of them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace tollway_native {
+
+using at::BFloat16;
+using at::Half;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+inline float reduce_add(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// n floats from src (fp32, bf16 or fp16) into dst; n is a multiple of 2 * W, or below it (a head dim
+// of 16 under AVX512): then one value at a time.
+template <typename T>
+inline void load_floats(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else if (n < 2 * W) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; i += 2 * W) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + W);
+    }
+  }
+}
+
+// Any n: vector body, scalar tail (c10's BFloat16 and Half round to nearest even, as torch does).
+template <typename T>
+inline void store_floats(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
+      at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + W)).store(dst + i);
+    }
+    for (; i < n; ++i) dst[i] = T(src[i]);
+  }
+}
+
+// x rounded to T and back (identity for fp32): where torch's eager path stores an intermediate.
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return static_cast<float>(BFloat16(x));
+  }
+}
+
+// The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
+// dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per row) under either.
+inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
+  if (cache == at::kChar) return compute == at::kFloat || compute == at::kBFloat16;
+  if (compute == at::kFloat) return cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16;
+  return compute == at::kBFloat16 && cache == at::kBFloat16;
+}
+
+// ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
+// A row of one token and head: D int8 codes, then the fp32 scale s (4 bytes); value = code * s.
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+
+// W codes from p as floats.
+inline Vec load_codes(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[W];
+  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// x (D values of T) into an int8 row: s = max|x| / 127, codes round(x / s) (to nearest even, as torch.round),
+// computed in fp32 exactly as kv_int8.quantize does, so either path stores the same bytes.
+template <typename T>
+inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float code = std::nearbyint(static_cast<float>(x[i]) * inverse);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
+}  // namespace tollway_native

@@ -1,0 +1,205 @@
+// The decode step's small fused ops, torch.ops.tollway_cpu.add_rms_norm / rotary_store / silu_mul: each
+// computes in fp32 and rounds where torch's eager ops of the Python path round (kernels/reference.py shapes).
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using namespace tollway_native;
+
+// ---- residual add + RMSNorm -----------------------------------------------------------------
+// residual [N, H] fp32 += x (any of fp32/bf16, optional); returns weight * rms_norm(residual) in the
+// weight's dtype, the normalised row rounded to that dtype before the weight multiplies it (as
+// `weight * F.rms_norm(h.float()).to(weight.dtype)` does).
+template <typename T>
+at::Tensor add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                             double eps) {
+  const int64_t N = residual.size(0), H = residual.size(1);
+  at::Tensor out = at::empty({N, H}, weight.options());
+  float* rp = residual.data_ptr<float>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const bool has_x = x.has_value();
+  const at::ScalarType xt = has_x ? x->scalar_type() : at::kFloat;
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(H);
+    for (int64_t n = begin; n < end; ++n) {
+      float* r = rp + n * H;
+      if (has_x) {
+        if (xt == at::kFloat) {
+          const float* xp = x->data_ptr<float>() + n * H;
+          for (int64_t i = 0; i < H; ++i) r[i] += xp[i];
+        } else {
+          const BFloat16* xp = x->data_ptr<BFloat16>() + n * H;
+          for (int64_t i = 0; i < H; ++i) r[i] += static_cast<float>(xp[i]);
+        }
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < H; ++i) sum += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) tmp[i] = round_to<T>(static_cast<float>(wp[i]) * round_to<T>(r[i] * inv));
+      store_floats(tmp.data(), op + n * H, H);
+    }
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "add_rms_norm: the residual must be a contiguous fp32 [N, H]");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "add_rms_norm: weight must be [H]");
+  if (x.has_value()) {
+    TORCH_CHECK(x->sizes() == residual.sizes() && x->is_contiguous() &&
+                    (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
+                "add_rms_norm: x must be a contiguous fp32/bf16 tensor shaped as the residual");
+  }
+  if (weight.scalar_type() == at::kFloat) return add_rms_norm_impl<float>(residual, x, weight, eps);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "add_rms_norm: fp32 or bf16 weight only");
+  return add_rms_norm_impl<BFloat16>(residual, x, weight, eps);
+}
+
+// ---- rotary + K/V store ---------------------------------------------------------------------
+// qkv [N, (Hq + 2 Hkv) * D] (q heads, k heads, v heads): q and k rotated in place ("rotate half"),
+// then k and v written at their flat slots of the caches (a negative slot is skipped). cos/sin
+// [N, D] in qkv's dtype. Each product and the sum are rounded as torch's `x * cos + rot * sin` does.
+// The caches hold C (T, or fp16/bf16 under fp32 T): k and v are rounded to it as they are written; an
+// int8 cache (C = int8_t) takes each head's row quantized (quantize_row).
+template <typename T, typename C>
+void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slots, int64_t hq, int64_t hkv, int64_t D) {
+  const int64_t N = qkv.size(0), half = D / 2, row_stride = qkv.stride(0);
+  const int64_t kv_row = hkv * D, cache_row = hkv * k_cache.size(3);
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      T* row = xp + n * row_stride;
+      const T* c = cp + n * cos.stride(0);
+      const T* s = sp + n * sin.stride(0);
+      for (int64_t head = 0; head < hq + hkv; ++head) {
+        T* x = row + head * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+          const float a1 = round_to<T>(x1 * static_cast<float>(c[i]));
+          const float b1 = round_to<T>(-x2 * static_cast<float>(s[i]));
+          const float a2 = round_to<T>(x2 * static_cast<float>(c[i + half]));
+          const float b2 = round_to<T>(x1 * static_cast<float>(s[i + half]));
+          x[i] = T(a1 + b1);
+          x[i + half] = T(a2 + b2);
+        }
+      }
+      if (slot[n] >= 0) {
+        if constexpr (std::is_same_v<C, int8_t>) {
+          for (int64_t head = 0; head < hkv; ++head) {
+            quantize_row(row + (hq + head) * D, kc + slot[n] * cache_row + head * (D + kScaleBytes), D);
+            quantize_row(row + (hq + hkv + head) * D, vc + slot[n] * cache_row + head * (D + kScaleBytes), D);
+          }
+        } else if constexpr (std::is_same_v<T, C>) {
+          std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
+          std::copy(row + hq * D + kv_row, row + hq * D + 2 * kv_row, vc + slot[n] * kv_row);
+        } else {  // T is fp32 here (kv_pair_ok)
+          store_floats(row + hq * D, kc + slot[n] * kv_row, kv_row);
+          store_floats(row + hq * D + kv_row, vc + slot[n] * kv_row, kv_row);
+        }
+      }
+    }
+  });
+}
+
+void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                  const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "rotary_store: caches must be contiguous and alike");
+  const int64_t D = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D &&
+                  k_cache.size(2) == num_kv_heads && D % 2 == 0,
+              "rotary_store: qkv must be [N, (Hq + 2 Hkv) * D] with contiguous rows");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
+                  sin.stride(1) == 1 && cos.size(0) == qkv.size(0),
+              "rotary_store: cos/sin must be [N, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == qkv.size(0),
+              "rotary_store: slots must be int64 [N]");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && kv_pair_ok(qkv.scalar_type(), k_cache.scalar_type()),
+              "rotary_store: qkv and cos/sin must share a dtype, the caches hold it (fp16/bf16 under fp32, or int8)");
+  const at::ScalarType cache = k_cache.scalar_type();
+  if (cache == at::kChar && qkv.scalar_type() == at::kFloat) {
+    return rotary_store_impl<float, int8_t>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  if (cache == at::kChar) {
+    return rotary_store_impl<BFloat16, int8_t>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  if (qkv.scalar_type() == at::kFloat && cache == at::kFloat) {
+    return rotary_store_impl<float, float>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  if (qkv.scalar_type() == at::kFloat && cache == at::kHalf) {
+    return rotary_store_impl<float, Half>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  if (qkv.scalar_type() == at::kFloat) {
+    return rotary_store_impl<float, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+  }
+  rotary_store_impl<BFloat16, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------
+// gate_up [N, 2I] (gate first) -> [N, I]; silu rounded to the dtype before the product, as eager.
+template <typename T>
+at::Tensor silu_mul_impl(const at::Tensor& gate_up) {
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({N, I}, gate_up.options());
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (I + kChunk - 1) / kChunk;
+  at::parallel_for(0, N * chunks, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float g[kChunk], u[kChunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / chunks, lo = (task % chunks) * kChunk, m = std::min(kChunk, I - lo);
+      const T* gate = gp + n * 2 * I + lo;
+      const T* up = gate + I;
+      for (int64_t i = 0; i < m; ++i) g[i] = static_cast<float>(gate[i]), u[i] = static_cast<float>(up[i]);
+      int64_t i = 0;
+      for (; i + W <= m; i += W) {
+        const Vec x = Vec::loadu(g + i);
+        (x / (Vec(1.f) + x.neg().exp())).store(g + i);
+      }
+      for (; i < m; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+      for (i = 0; i < m; ++i) g[i] = round_to<T>(g[i]) * u[i];
+      store_floats(g, op + n * I + lo, m);
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous [N, 2I]");
+  if (gate_up.scalar_type() == at::kFloat) return silu_mul_impl<float>(gate_up);
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: fp32 or bf16 only");
+  return silu_mul_impl<BFloat16>(gate_up);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slots, int num_q_heads, int num_kv_heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_store", &rotary_store);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,81 @@
+// What the two paged_decode kernels share (paged_decode.cpp: fp32/bf16/fp16 caches; paged_decode_int8.cpp:
+// int8 caches): the argument geometry, the softmax over a row of scores and the four-way reduction.
+#pragma once
+
+#include "common.h"
+
+#include <limits>
+
+namespace tollway_native {
+
+constexpr int64_t kMaxGroup = 8;   // query heads per KV head the kernels take
+constexpr int64_t kPrefetch = 16;  // tokens ahead whose K/V rows are prefetched
+
+// Scores s[0, n) scaled by fscale, then softmaxed in place over n_padded lanes (the padding set to
+// exp(-inf) = 0); returns 1 / (sum of the exponentials), which the V sum multiplies by.
+inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscale) {
+  Vec m(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; ++i) s[i] *= fscale;
+  std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
+  const Vec row_max(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
+  Vec sum(0.f);
+  for (int64_t i = 0; i < n_padded; i += W) {
+    const Vec p = (Vec::loadu(s + i) - row_max).exp();
+    p.store(s + i);
+    sum = sum + p;
+  }
+  return 1.f / reduce_add(sum);
+}
+
+// The four horizontal sums of a0..a3, in order.
+inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto half = [](const Vec& v) {
+    const __m512 x = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 b0 = half(a0), b1 = half(a1), b2 = half(a2), b3 = half(a3);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = reduce_add(a0), out[1] = reduce_add(a1), out[2] = reduce_add(a2), out[3] = reduce_add(a3);
+#endif
+}
+
+// What both paged_decode kernels read of their arguments: shapes, strides, the tables and lengths, and
+// L, the longest context rounded up to whole vectors (the scores' row length per query head).
+struct DecodeGeometry {
+  int64_t B, Hkv, BS, G, qs0, qs1, os0, os1, cs0, cs1, cs2, ts0, L;
+  const int32_t* tables;
+  const int32_t* lens;
+
+  DecodeGeometry(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables_, const at::Tensor& lens_,
+                 const at::Tensor& out)
+      : B(q.size(0)), Hkv(k_cache.size(2)), BS(k_cache.size(1)), G(q.size(1) / k_cache.size(2)), qs0(q.stride(0)),
+        qs1(q.stride(1)), os0(out.stride(0)), os1(out.stride(1)), cs0(k_cache.stride(0)), cs1(k_cache.stride(1)),
+        cs2(k_cache.stride(2)), ts0(tables_.stride(0)), tables(tables_.data_ptr<int32_t>()),
+        lens(lens_.data_ptr<int32_t>()) {
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+    L = (max_len + W - 1) / W * W;
+  }
+  // The first token sequence b attends to (where its window starts; 0 without one).
+  int64_t start(int64_t b, int64_t window) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
+  // The offset, in cache elements, of token t's row for KV head h of sequence b.
+  int64_t row(int64_t b, int64_t t, int64_t h) const {
+    return int64_t(tables[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+  }
+  int64_t q_offset(int64_t b, int64_t head) const { return b * qs0 + head * qs1; }
+  int64_t out_offset(int64_t b, int64_t head) const { return b * os0 + head * os1; }
+};
+
+// paged_decode over an int8 cache (paged_decode_int8.cpp), q fp32 or bf16; out shaped and typed as q.
+void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window, at::Tensor& out);
+
+}  // namespace tollway_native

@@ -1,0 +1,45 @@
+"""The native library's cache key (kernels/cpu/native/build.py): every file compiled into the library, headers
+included, is part of it, so an edited header builds a new library instead of loading a stale one."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+build = importlib.import_module("kernels.cpu.native.build")  # the package exports a function named build too
+
+
+def test_every_included_header_is_part_of_the_key() -> None:
+    included = {name for path in (*build.SOURCES, *build.HEADERS)
+                for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included  # the sources do include our headers
+    assert included <= {path.name for path in build.HEADERS}
+    assert all(path.exists() for path in (*build.SOURCES, *build.HEADERS))
+
+
+def test_an_edited_header_names_a_new_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        build.vector_flags()
+    except build.BuildError as exc:
+        pytest.skip(str(exc))  # no AVX2/AVX512: no library, no key
+    header = tmp_path / "common.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(build, "HEADERS", (*build.HEADERS, header))
+    before = build.library_path()
+    assert build.library_path() == before
+    header.write_text("// two\n")
+    assert build.library_path() != before
+
+
+def test_an_installed_package_ships_every_source_and_header() -> None:
+    """A wheel holds what pyproject's package-data names: the library is compiled from these on the serving machine."""
+    import fnmatch
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu.native"]
+    for path in (*build.SOURCES, *build.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns), path.name
