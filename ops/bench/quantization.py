@@ -2,10 +2,11 @@
 the engine offline, and memory, per format (none / int8 / int4), in one run.
 
 1. Linear microbench: this model's projection shapes (qkv 576->960, o 576->576, gate_up 576->3072,
-   down 1536->576) at M = 1, 8, 32 rows: `F.linear` on the plain weight, the prepacked
+   down 1536->576) at M = 1, 8, 32 rows (`--rows`): `F.linear` on the plain weight, the prepacked
    `PackedLinear` the engine's native path uses (oneDNN bf16 / MKL fp32), and `QuantizedLinear`
    int8 and int4 on each CPU kernel (`torch`: `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`;
-   `native`: kernels/cpu/native/quantized_matmul.cpp); median us a call,
+   `native`: kernels/cpu/native/quantized_matmul.cpp; `q8`: its int8-activation form as decode steps of bf16
+   models run it on AVX512-VNNI, kernels/cpu/native/quantized_vnni.cpp); median us a call,
    and the sum over the 30 layers' four projections (what one decode step spends in them); in the
    model dtype and fp32. Then the native kernel's two ways (row kernel, dequantize + GEMM) at M = 4..64.
 2. Per format, in a fresh process each (so RSS is that format's alone): load, then one request of
@@ -94,11 +95,22 @@ def layer_copies(n: int, k: int, dtype: torch.dtype, kernels: list[str], copies:
         for kern in kernels:
             variants.setdefault(f"i8-{kern}", []).append(QuantizedLinear(q8, None, dtype, kernel=kern))
             variants.setdefault(f"i4-{kern}", []).append(QuantizedLinear(q4, None, dtype, kernel=kern))
+        if "native" in kernels and qcpu.int8_activations(dtype, k):  # as a decode step runs them
+            variants.setdefault("i8-q8", []).append(in_decode_step(QuantizedLinear(q8, None, dtype, kernel="native")))
+            variants.setdefault("i4-q8", []).append(in_decode_step(QuantizedLinear(q4, None, dtype, kernel="native")))
     return variants
 
 
+def in_decode_step(linear: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The linear called as a decode step calls it: its int8-activation kernel below the crossover."""
+    def call(x: torch.Tensor) -> torch.Tensor:
+        with qcpu.decode_step():
+            return linear(x)
+    return call
+
+
 @torch.inference_mode()
-def microbench(dtype: torch.dtype, layers: int) -> None:
+def microbench(dtype: torch.dtype, layers: int, rows: tuple[int, ...] = ROWS) -> None:
     name = str(dtype).removeprefix("torch.")
     kernels = ["torch", *(["native"] if native.load() else [])]
     print(f"\nlinear ops, {name}, us per call (median, cycling through {layers} distinct weights per shape as "
@@ -109,14 +121,14 @@ def microbench(dtype: torch.dtype, layers: int) -> None:
         variants = layer_copies(n, k, dtype, kernels, layers, gen)
         if index == 0:
             print(f"{'shape':>16} {'M':>3} " + " ".join(f"{v:>8}" for v in variants))
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
             times = {v: median_us(fns, x) for v, fns in variants.items()}
             for v, t in times.items():
                 totals[(m, v)] = totals.get((m, v), 0.0) + t * layers
             print(f"{label + f' {k}->{n}':>16} {m:>3} " + " ".join(f"{t:8.1f}" for t in times.values()), flush=True)
         del variants
-    for m in ROWS:
+    for m in rows:
         print(f"{'all':>16} {m:>3} " + " ".join(f"{t:8.0f}" for (mm, _), t in totals.items() if mm == m))
 
 
@@ -210,6 +222,7 @@ def main() -> None:
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="the microbench's M values (comma-separated)")
     parser.add_argument("--child", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -224,7 +237,7 @@ def main() -> None:
     if not args.skip_micro:
         layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
         for micro_dtype in dict.fromkeys([dtype, torch.float32]):  # fp32 too: what AVX2-only hosts run
-            microbench(micro_dtype, layers)
+            microbench(micro_dtype, layers, tuple(int(m) for m in args.rows.split(",")))
             if native.load():
                 crossover(micro_dtype, layers)
     if args.skip_decode:
