@@ -45,7 +45,7 @@ def serve(settings: WorkerSettings, loaded: LoadedModel, config: EngineConfig, s
     info = engine.info()
     quantized = "" if loaded.quantization == "none" else f", {loaded.quantization} weights"
     console.print(f"worker: {name} ({info['dtype']}{quantized} on {loaded.model.device}), {info['blocks']['total']} KV blocks "
-                  f"of {info['block_size']} tokens, on http://{host}:{port}")
+                  f"of {info['block_size']} tokens ({info['kv_cache_dtype']}), on http://{host}:{port}")
     try:
         # Billed requests' usage not yet acknowledged by a gateway survives a restart of this worker.
         ledger = settings.home / "ledger" / f"worker-{host}-{port}.jsonl"

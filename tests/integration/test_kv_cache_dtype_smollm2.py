@@ -83,3 +83,5 @@ def test_narrow_caches_hold_more_blocks(fp32: LoadedModel) -> None:
     int8 = Engine(fp32, EngineConfig(kv_budget_bytes=budget, kv_cache_dtype="int8"))  # 64 + 4 bytes a row, not 256
     assert int8.cache.pool.num_blocks == budget // (wide.cache.pool.block_size * 30 * 2 * 3 * 68)
     assert int8.cache.pool.num_blocks >= 3.7 * wide.cache.pool.num_blocks
+    # the engine reports what its blocks hold (the worker's start line and GET /internal/info)
+    assert [e.info()["kv_cache_dtype"] for e in (wide, narrow, int8)] == ["float32", "float16", "int8"]

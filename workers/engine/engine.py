@@ -287,6 +287,7 @@ class Engine:
             "model": self.name,
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
             "quantization": self.loaded.quantization,
+            "kv_cache_dtype": str(self.runner.kv.keys[0].dtype).removeprefix("torch."),  # what the blocks hold
             "context_length": self.max_context,
             "block_size": stats.block_size,
             "blocks": {"total": stats.num_blocks, "free": stats.num_free, "used": stats.num_used,
