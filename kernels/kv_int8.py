@@ -1,4 +1,4 @@
-"""The int8 KV cache (`TOLLWAY_KV_CACHE_DTYPE=int8`, CPU): each token's K (or V) row of one head is kept as
+"""The int8 KV cache (`TOLLWAY_KV_CACHE_DTYPE=int8`, CPU and GPU): each token's K (or V) row of one head is kept as
 head_dim int8 codes followed by its own fp32 scale, in one int8 tensor [num_blocks, block_size, Hkv, D + 4].
 
 A row x of D values is stored as q = round(x / s) with s = max|x| / 127 (q in [-127, 127]; a row of
@@ -10,7 +10,8 @@ parallel shards and every kernel signature stay as they are for the other cache 
 The torch paths (`kernels.cpu`, `kernels.reference`) gather rows and widen them with `widen`; the native
 CPU ops quantize in `rotary_store` (kernels/cpu/native/layer_ops.cpp) and read the codes in place in
 `paged_decode` (paged_decode_int8.cpp), with the same arithmetic in fp32 as `quantize` (so a row is stored identically by either,
-and a prefix hit reads what a cold prompt wrote). Not on CUDA: the Triton kernels read float caches.
+and a prefix hit reads what a cold prompt wrote). On CUDA the Triton kernels do the same: `store_kv` quantizes
+as `quantize` does (kernels/triton/store.py), decode and extend dequantize each tile in fp32, then to q's dtype.
 """
 
 from __future__ import annotations

@@ -48,17 +48,18 @@ KV_CACHE_DTYPE_CHOICES = ("model", "float16", "bfloat16", "int8")
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The KV cache's dtype for a `TOLLWAY_KV_CACHE_DTYPE` choice: `model` is the model's own; float16 or
     bfloat16 store an fp32 model's K/V in half the bytes (the attention kernels widen them to fp32 as they
-    read); int8 stores any model's K/V as int8 codes with a scale per token and head (kernels/kv_int8.py).
-    On a CPU only: the Triton kernels read the model's dtype. ValueError for anything else."""
+    read); int8 stores any model's K/V as int8 codes with a scale per token and head (kernels/kv_int8.py), on
+    any device. float16/bfloat16 under an fp32 model: on a CPU only (the Triton kernels read the model's dtype
+    or int8). ValueError for anything else."""
     if name == "model" or DTYPES.get(name) == model_dtype:
         return model_dtype
     if name not in KV_CACHE_DTYPE_CHOICES:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
-    if device_type != "cpu":
-        raise ValueError(f"a {name} KV cache under a {model_dtype} model runs on a CPU only (the Triton "
-                         "kernels read the model's dtype); use TOLLWAY_KV_CACHE_DTYPE=model")
     if name == "int8":
         return torch.int8
+    if device_type != "cpu":
+        raise ValueError(f"a {name} KV cache under a {model_dtype} model runs on a CPU only (the Triton "
+                         "kernels read the model's dtype or int8); use TOLLWAY_KV_CACHE_DTYPE=model or int8")
     if model_dtype != torch.float32:
         raise ValueError(f"a {name} KV cache needs an fp32 model (the model runs in {model_dtype}); "
                          "use TOLLWAY_KV_CACHE_DTYPE=model")

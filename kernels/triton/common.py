@@ -54,12 +54,29 @@ def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
-                 stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
-    """[tokens, dims] of one KV head, each token found through its sequence's block table."""
+                 stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 QUANT: tl.constexpr):
+    """[tokens, dims] of one KV head, each token found through its sequence's block table. QUANT: an int8
+    cache (kernels/kv_int8.py), whose rows are HEAD_DIM codes and then their fp32 scale: returns
+    codes * scale in fp32 (the caller rounds it to its compute dtype)."""
     blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
     offsets = blocks[:, None] * stride_block + (tokens % BLOCK_SIZE)[:, None] * stride_slot
-    return tl.load(cache_ptr + offsets + kv_head * stride_head + dims[None, :],
-                   mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+    rows = cache_ptr + offsets + kv_head * stride_head  # [tokens, 1]
+    values = tl.load(rows + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+    if QUANT:  # the scale's 4 bytes follow the codes; rows are 4-byte aligned (HEAD_DIM + 4 bytes, D even)
+        scales = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=token_ok[:, None], other=0.0)
+        return values.to(tl.float32) * scales
+    return values
+
+
+@triton.jit
+def round_half_even(x):
+    """x rounded to the nearest integer, ties to even (torch.round's rule), in x's float dtype. From x's floor
+    f: x - f is exact (no `floor(x + 0.5)`, whose sum may round up, e.g. 0.49999997 + 0.5 -> 1.0)."""
+    f = tl.floor(x)
+    d = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_int8 import is_int8
 from kernels.triton.common import (
     check_last_dim_contiguous,
     dot_precision,
@@ -37,6 +38,7 @@ def _decode_split_kernel(
     stride_pl_seq, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,9 +67,12 @@ def _decode_split_kernel(
         tokens = tile + tl.arange(0, BLOCK_N)
         token_ok = tokens < end
         k = load_kv_tile(k_cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
-                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE)
+                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT)
         v = load_kv_tile(v_cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
-                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE)
+                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+        if QUANT:  # dequantized in fp32, then in q's dtype as a cache of the model's dtype would hold them
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * scale
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_update(scores, v, m_i, l_i, acc, PRECISION, UPCAST)
@@ -146,6 +151,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
+        QUANT=is_int8(k_cache),
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_q_heads)](

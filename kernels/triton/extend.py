@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_int8 import is_int8
 from kernels.triton.common import (
     check_last_dim_contiguous,
     dot_precision,
@@ -34,6 +35,7 @@ def _extend_kernel(
     stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,9 +70,12 @@ def _extend_kernel(
         keys_pos = tile + tl.arange(0, BLOCK_N)
         key_ok = keys_pos < hi
         k = load_kv_tile(k_cache_ptr, table_row, keys_pos, key_ok, dims, dim_ok, kv_head,
-                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE)
+                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT)
         v = load_kv_tile(v_cache_ptr, table_row, keys_pos, key_ok, dims, dim_ok, kv_head,
-                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE)
+                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+        if QUANT:  # dequantized in fp32, then in q's dtype as a cache of the model's dtype would hold them
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * scale
         visible = key_ok[None, :] & (keys_pos[None, :] <= q_positions[:, None])
         if window > 0:
@@ -109,5 +114,6 @@ def extend_attention(
         block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64, PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
+        QUANT=is_int8(k_cache),
     )
     return out

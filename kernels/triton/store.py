@@ -1,4 +1,6 @@
-"""Triton store_kv: one program per new token copies its K and V rows (all KV heads) to its slot."""
+"""Triton store_kv: one program per new token copies its K and V rows (all KV heads) to its slot; into an
+int8 cache (kernels/kv_int8.py) each head's row is quantized as `kv_int8.quantize` does: scale = max|x| / 127,
+codes round(x / scale) to nearest even, the scale's 4 bytes after the codes."""
 
 from __future__ import annotations
 
@@ -6,7 +8,26 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import check_last_dim_contiguous
+from kernels.kv_int8 import QMAX, is_int8
+from kernels.triton.common import check_last_dim_contiguous, round_half_even
+
+
+@triton.jit
+def _store_rows(cache_ptr, x, heads, dims, mask, head_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                QMAX: tl.constexpr):
+    """x [heads, dims] into one token's rows at cache_ptr + heads (head offsets) + dims."""
+    if QUANT:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 1)  # [heads]; masked dims were loaded as 0
+        scale = tl.math.div_rn(amax, QMAX * 1.0)
+        safe = tl.where(amax > 0.0, scale, 1.0)  # a row of zeros: codes 0, scale 0
+        inverse = tl.where(amax > 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), safe), 0.0)
+        codes = tl.minimum(tl.maximum(round_half_even(xf * inverse[:, None]), -QMAX * 1.0), QMAX * 1.0)
+        tl.store(cache_ptr + heads + dims, codes.to(tl.int8), mask=mask)
+        scale_ptrs = (cache_ptr + heads + HEAD_DIM).to(tl.pointer_type(tl.float32))  # [heads, 1]
+        tl.store(scale_ptrs, scale[:, None], mask=head_ok)
+    else:
+        tl.store(cache_ptr + heads + dims, x, mask=mask)
 
 
 @triton.jit
@@ -15,7 +36,7 @@ def _store_kv_kernel(
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -25,10 +46,13 @@ def _store_kv_kernel(
     dims = tl.arange(0, BLOCK_D)[None, :]
     slots = tl.full([BLOCK_H, BLOCK_D], 0, tl.int64) + slot
     mask = (heads < NUM_HEADS) & (dims < HEAD_DIM) & (slots >= 0)  # a negative slot is padding: skip
-    k = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
-    v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
-    tl.store(k_cache_ptr + block * stride_k_block + offset * stride_k_slot + heads * stride_k_head + dims, k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_v_block + offset * stride_v_slot + heads * stride_v_head + dims, v, mask=mask)
+    head_ok = (heads < NUM_HEADS) & (tl.full([BLOCK_H, 1], 0, tl.int64) + slot >= 0)
+    k = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask, other=0.0)
+    _store_rows(k_cache_ptr + block * stride_k_block + offset * stride_k_slot, k, heads * stride_k_head, dims, mask,
+                head_ok, HEAD_DIM, QUANT, QMAX)
+    _store_rows(v_cache_ptr + block * stride_v_block + offset * stride_v_slot, v, heads * stride_v_head, dims, mask,
+                head_ok, HEAD_DIM, QUANT, QMAX)
 
 
 def store_kv(
@@ -43,5 +67,5 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], QUANT=is_int8(k_cache), QMAX=QMAX,
     )

@@ -45,7 +45,7 @@ def mixed_step(backend: str) -> PagedAttentionMetadata:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["reference", "cpu", "native"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "native", "triton"])
 def test_step_on_an_int8_cache_equals_the_reference_on_its_dequantized_copy(dtype: torch.dtype, backend: str) -> None:
     if backend == "native":
         needs_native()
@@ -118,4 +118,49 @@ def test_cpu_cascade_over_a_shared_prefix_reads_an_int8_cache() -> None:
     wide = [dequantize(c, torch.float32) for c in caches]
     expected = paged_attention(q, as_stored(k, caches[0]), as_stored(v, caches[1]), *wide, PagedAttentionMetadata.build([1] * 3, lengths, tables, 16,
                                                                             backend="reference"), 0.125)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_triton_store_rounds_as_quantize_does_ties_included() -> None:
+    """Rows whose largest value is 127 have scale 1: their codes are x rounded, ties to even, and a value a
+    hair under a half must not round up (0.49999997 + 0.5 is 1.0 in fp32)."""
+    from kernels.triton.store import store_kv
+
+    halves = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 3.5000002, -126.5])
+    k = torch.zeros(2, 1, 16)
+    k[0, 0, :10] = halves
+    k[1, 0] = torch.randn(16) * 1e-3  # a small row: its own scale
+    v = -k
+    k_cache, v_cache = torch.zeros(2, 4, 1, 16 + SCALE_BYTES, dtype=torch.int8), torch.zeros(2, 4, 1, 16 + SCALE_BYTES,
+                                                                                              dtype=torch.int8)
+    store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1]))  # the second token is padding: not stored
+    assert torch.equal(k_cache[1, 1], quantize(k[0])) and torch.equal(v_cache[1, 1], quantize(v[0]))
+    assert k_cache[1, 1, 0, :10].tolist() == [127, 0, 2, 2, 0, -2, -2, 0, 4, -126]
+    assert int(k_cache.count_nonzero()) == int(k_cache[1, 1].count_nonzero())  # nothing else written
+    store_kv(k, v, k_cache, v_cache, torch.tensor([5, 2]))
+    assert torch.equal(k_cache[0, 2], quantize(k[1])) and torch.equal(v_cache[0, 2], quantize(v[1]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 50])
+def test_triton_decode_and_extend_read_int8_rows(head_dim: int, window: int) -> None:
+    from kernels.triton.decode import decode_attention
+    from kernels.triton.extend import extend_attention
+
+    torch.manual_seed(9)
+    lengths = [1, 17, 200]
+    tables = torch.tensor([[0] + [0] * 24, [1, 2, 3] + [0] * 22, list(range(4, 29))], dtype=torch.int32)
+    context_lens = torch.tensor(lengths, dtype=torch.int32)
+    k_cache, v_cache = quantize(torch.randn(30, 8, 3, head_dim) * 3), quantize(torch.randn(30, 8, 3, head_dim))
+    wide_k, wide_v = dequantize(k_cache, torch.float32), dequantize(v_cache, torch.float32)
+    q = torch.randn(3, 9, head_dim)
+    got = decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window or None, split_len=64)
+    expected = reference.decode_attention(q, wide_k, wide_v, tables, context_lens, 0.125, window or None)
+    torch.testing.assert_close(got, expected, **EXACT)
+    # the last 9 tokens of the longest sequence as one extend over its first 191
+    q_new = torch.randn(9, 9, head_dim)
+    start = torch.tensor([0, 9], dtype=torch.int32)
+    got = extend_attention(q_new, k_cache, v_cache, tables[2:], start, context_lens[2:], 0.125, window or None)
+    expected = reference.extend_attention(q_new, wide_k, wide_v, tables[2:], start, context_lens[2:], 0.125,
+                                          window or None)
     torch.testing.assert_close(got, expected, **EXACT)
