@@ -3,7 +3,8 @@
 Batch 64, context 4,096, 32 query / 8 KV heads, head dim 128, bf16, blocks of 16 in shuffled
 order. Bandwidth counts the K and V bytes the kernel must read once (the floor for decode);
 peak comes from the device's memory clock and bus width (or `--peak-gbps`). SDPA runs over
-contiguous K/V of the same size. Goal: >= 60% of peak and <= 1.3x SDPA's time.
+contiguous K/V of the same size. Goal: >= 60% of peak and <= 1.3x SDPA's time. Then the same step on an
+int8 cache (`TOLLWAY_KV_CACHE_DTYPE=int8`): its time against the bf16 cache's.
 On a machine without CUDA it says so and exits 0.
 
     .venv/bin/python ops/bench/kernels_gpu.py [--repeats 50] [--peak-gbps 3350]
@@ -86,6 +87,19 @@ def main() -> int:
     print(f"triton paged decode: {triton_ms * 1e3:8.1f} µs   {achieved:7.0f} GB/s"
           + (f"   {achieved / peak:5.1%} of peak {peak:.0f} GB/s" if peak else "   (peak unknown: pass --peak-gbps)"))
     print(f"torch SDPA (contiguous): {sdpa_ms * 1e3:8.1f} µs   triton / SDPA = {triton_ms / sdpa_ms:.2f}×")
+    # The same step on an int8 cache (TOLLWAY_KV_CACHE_DTYPE=int8): half the bytes, plus each row's scale.
+    from kernels.kv_int8 import dequantize, quantize
+
+    k_int8, v_int8 = quantize(k_cache), quantize(v_cache)
+    int8_out = decode_attention(q, k_int8, v_int8, tables, lens, scale, max_context=CONTEXT)
+    wide_k, wide_v = dequantize(k_int8, dtype), dequantize(v_int8, dtype)
+    int8_diff = (int8_out.float() - decode_attention(q, wide_k, wide_v, tables, lens, scale,
+                                                     max_context=CONTEXT).float()).abs().max().item()
+    int8_ms = median_ms(lambda: decode_attention(q, k_int8, v_int8, tables, lens, scale, max_context=CONTEXT),
+                        args.repeats)
+    int8_bytes = 2 * k_int8.numel() * k_int8.element_size()
+    print(f"triton paged decode, int8 cache: {int8_ms * 1e3:8.1f} µs   {int8_bytes / (int8_ms / 1e3) / 1e9:7.0f} GB/s"
+          f"   int8 / bf16 cache = {int8_ms / triton_ms:.2f}×   max |int8 - its dequantized copy| = {int8_diff:.2e}")
     return 0
 
 
