@@ -8,8 +8,8 @@ before the first write to it (copy-on-write), and the copy is returned for the K
 dropped or all released): a mirror of the table (the engine's persistent block-table rows) is
 current exactly when it saw the same version.
 
-Sliding windows: when every layer attends only to the last W keys, the blocks wholly before a
-sequence's window are given back with `drop_before`. Their slots keep their places in
+Sliding windows: when the table's layers attend only to the last `window` keys, the blocks wholly
+before a sequence's window are given back with `drop_out_of_window` (`drop_before`). Their slots keep their places in
 `block_ids` as `NO_BLOCK` (so position p still lives in block_ids[p // block_size]); the dropped
 slots are always a prefix, `num_dropped` long, and hold no pool reference. Attention never reads
 them (they are outside every query's window); mirrors write them as block 0, real memory.
@@ -25,15 +25,23 @@ NO_BLOCK = -1  # a slot whose block was given back because it left the sliding w
 
 
 class BlockTable:
-    def __init__(self, pool: BlockPool, block_ids: Sequence[int] = (), num_tokens: int = 0) -> None:
-        """Adopt `block_ids` (the caller hands over one reference on each) covering num_tokens."""
+    def __init__(self, pool: BlockPool, block_ids: Sequence[int] = (), num_tokens: int = 0,
+                 window: int | None = None) -> None:
+        """Adopt `block_ids` (the caller hands over one reference on each) covering num_tokens.
+        `window`: the sliding window of the layers the table serves (None: they see everything)."""
         if pool.blocks_for(num_tokens) > len(block_ids):
             raise ValueError(f"{len(block_ids)} blocks cannot hold {num_tokens} tokens")
         self.pool = pool
+        self.window = window
         self.block_ids = list(block_ids)
         self.num_tokens = num_tokens
         self.num_dropped = next((i for i, b in enumerate(self.block_ids) if b != NO_BLOCK), len(self.block_ids))
         self.version = 0
+
+    @property
+    def groups(self) -> list[BlockTable]:
+        """One table per layer group (cache/kv_layout.py): this one alone (GroupedBlockTable has more)."""
+        return [self]
 
     @property
     def held_ids(self) -> list[int]:
@@ -50,9 +58,15 @@ class BlockTable:
 
         Raises OutOfBlocksError with the table unchanged when the pool cannot supply the blocks.
         """
-        copies: list[tuple[int, int]] = []
         needed = self.blocks_needed(num_new_tokens)
-        fresh = self.pool.allocate(needed) if needed else []
+        return self.append_with(num_new_tokens, self.pool.allocate(needed) if needed else [])
+
+    def append_with(self, num_new_tokens: int, fresh: list[int]) -> list[tuple[int, int]]:
+        """`append` with the blocks already allocated: exactly `blocks_needed(num_new_tokens)` of them."""
+        if len(fresh) != self.blocks_needed(num_new_tokens):
+            raise ValueError(f"{len(fresh)} blocks given, {self.blocks_needed(num_new_tokens)} needed")
+        copies: list[tuple[int, int]] = []
+        needed = len(fresh)
         if num_new_tokens > 0 and self._last_block_is_shared():
             shared, copy = self.block_ids[-1], fresh.pop()
             copies.append((shared, copy))
@@ -78,6 +92,11 @@ class BlockTable:
             self.version += 1
         self.num_tokens = num_tokens
 
+    def drop_out_of_window(self, computed_len: int) -> int:
+        """Give back the blocks no query of the next step can see: the first one sits at position
+        computed_len and sees keys from computed_len - window + 1 on. Returns how many."""
+        return 0 if self.window is None else self.drop_before(computed_len - self.window + 1)
+
     def drop_before(self, num_tokens: int) -> int:
         """Give back the blocks wholly before token num_tokens (no query will see them again: they left
         a sliding window); returns how many were given back. Never the block being written."""
@@ -94,7 +113,7 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A child sharing every held block (one more reference on each) and the dropped slots."""
         self.pool.retain(self.held_ids)
-        return BlockTable(self.pool, self.block_ids, self.num_tokens)
+        return BlockTable(self.pool, self.block_ids, self.num_tokens, self.window)
 
     def release(self) -> None:
         """Give back every reference; the table is empty afterwards."""

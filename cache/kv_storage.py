@@ -1,5 +1,8 @@
 """Paged KV storage: per layer K and V tensors indexed by block id, sized from a memory budget.
 
+With a layout of several layer groups (cache/kv_layout.py) a block id is a page of one group and
+layers at the same place in their groups share one tensor (`keys[l]` is that tensor for layer l).
+
 Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (an int8 cache adds each row's
 fp32 scale: head_dim + 4 int8, kernels/kv_int8.py). A token's K/V row for all
 heads is contiguous, so storing one new token is a single row write at its slot
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cache.kv_layout import KVLayout
 from kernels.kv_int8 import row_width
 
 
@@ -28,21 +32,30 @@ def available_memory_bytes(device: torch.device) -> int:
 class KVStorage:
     def __init__(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
+        dtype: torch.dtype, device: torch.device | str = "cpu", layout: KVLayout | None = None,
     ) -> None:
+        """`layout`: the layers' groups (None: one group of num_layers layers)."""
+        self.layout = layout or KVLayout.single(num_layers)
+        if self.layout.num_layers != num_layers:
+            raise ValueError(f"a layout of {self.layout.num_layers} layers for a model of {num_layers}")
         shape = (num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        per_page = self.layout.layers_per_page
+        self._key_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_page)]
+        self._value_tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_page)]
+        self.keys = [self._key_tensors[slot] for slot in self.layout.slot_of_layer]
+        self.values = [self._value_tensors[slot] for slot in self.layout.slot_of_layer]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one block (page) holding num_layers layers (a layout's layers_per_page)."""
         return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize
 
     @classmethod
     def from_budget(
         cls, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", budget_bytes: int | None = None, memory_fraction: float | None = None,
+        layout: KVLayout | None = None,
     ) -> KVStorage:
         """As many blocks as fit in `budget_bytes`, or in `memory_fraction` of free memory."""
         device = torch.device(device)
@@ -53,19 +66,21 @@ class KVStorage:
                 raise ValueError("memory_fraction must be in (0, 1]")
             budget_bytes = int(available_memory_bytes(device) * memory_fraction)
         assert budget_bytes is not None  # given, or made from the fraction just above
-        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        per_page = layout.layers_per_page if layout is not None else num_layers
+        per_block = cls.bytes_per_block(per_page, block_size, num_kv_heads, head_dim, dtype)
         num_blocks = int(budget_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block ({per_block} bytes each)")
-        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layout)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of forked sequences)."""
+        """Copy whole blocks src -> dst in every layer (copy-on-write of forked sequences; with
+        several groups a page is copied whole, whichever group it serves)."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
         dst = torch.tensor([d for _, d in copies], device=self.keys[0].device)
-        for tensor in (*self.keys, *self.values):
+        for tensor in (*self._key_tensors, *self._value_tensors):
             tensor[dst] = tensor[src]
 
 

@@ -19,6 +19,10 @@ A sequence's life through the facade:
   cache_and_release  at the end (finish, abort, preemption): cache what it computed, give back
   release            give back without caching (an admission that did not fit)
 `check_integrity(tables)` checks pool, tree and the tables' holdings agree (tests run it).
+
+With a layout of several layer groups (cache/kv_layout.py) a sequence's table is a
+GroupedBlockTable (one table per group, pages from the one pool) and the tree carries each
+group-0 page's companions; a hit then holds only the pages its groups' windows still need.
 Plain Python on ints, like the pool and the tree: no torch.
 """
 
@@ -29,15 +33,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache.block_pool import BlockPool, OutOfBlocksError
-from cache.block_table import BlockTable
-from cache.radix_tree import RadixPrefixTree
+from cache.block_table import NO_BLOCK, BlockTable
+from cache.grouped_table import GroupedBlockTable, SequenceTable
+from cache.kv_layout import KVLayout
+from cache.radix_tree import MatchResult, RadixPrefixTree
+from cache.window_hits import first_needed_block
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """A prompt matched against the tree, its blocks locked in a new table the caller now owns."""
 
-    table: BlockTable  # matched whole blocks (+ the partial copy's block), covering cached_len tokens
+    table: SequenceTable  # matched whole blocks (+ the partial copy's block), covering cached_len tokens
     cached_len: int  # tokens whose K/V the table holds: whole matched blocks + k of a partial block
     num_matched_blocks: int  # whole blocks matched in the tree (already cached there)
     copies: list[tuple[int, int]]  # (src, dst) block copy to do before the step writes (partial block)
@@ -54,9 +61,12 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, layout: KVLayout | None = None) -> None:
+        """num_blocks: pages of the layout (blocks of every layer with one group)."""
         self.pool = BlockPool(num_blocks, block_size)
-        self.tree = RadixPrefixTree(self.pool)  # registers itself as the pool's evictor
+        self.windows = (layout or KVLayout.single(1)).group_windows  # per group; [0] is the widest
+        # The tree registers itself as the pool's evictor.
+        self.tree = RadixPrefixTree(self.pool, self.windows[1:])
 
     @property
     def block_size(self) -> int:
@@ -82,19 +92,40 @@ class KVCacheManager:
         match = self.tree.match(namespace, tokens, count)
         partial = self.tree.match_partial_block(namespace, tokens, match)
         self.tree.lock(match.handle)
-        block_ids, cached_len, copies = list(match.block_ids), match.cached_len, []
-        if partial is not None and self.pool.can_allocate(1):
-            source, k = partial
-            block_ids += self.pool.allocate(1)
-            cached_len += k
-            copies = [(source, block_ids[-1])]
-        table = BlockTable(self.pool, block_ids, cached_len)
-        return PrefixHit(table, cached_len, match.cached_len // self.block_size, copies)
+        groups = self._held_pages(match)
+        cached_len, copies = match.cached_len, []
+        sources = [partial[0], *self._companions(partial[0])] if partial is not None else []
+        if partial is not None and NO_BLOCK not in sources and self.pool.can_allocate(len(groups)):
+            for ids, source, copy in zip(groups, sources, self.pool.allocate(len(groups)), strict=True):
+                ids.append(copy)
+                copies.append((source, copy))
+            cached_len += partial[1]
+        return PrefixHit(self._table(groups, cached_len), cached_len, match.cached_len // self.block_size, copies)
+
+    def _held_pages(self, match: MatchResult) -> list[list[int]]:
+        """Per group, the pages of a locked match a new table holds: all of group 0's; of the other
+        groups those the first query's window needs (NO_BLOCK before), each retained here."""
+        groups = [list(match.block_ids)]
+        for k, window in enumerate(self.windows[1:]):
+            first = first_needed_block(len(match.block_ids), window, self.block_size)
+            ids = [NO_BLOCK] * first + [pages[k] for pages in match.companions[first:]]
+            self.pool.retain(ids[first:])
+            groups.append(ids)
+        return groups
+
+    def _companions(self, block: int) -> tuple[int, ...]:
+        """A cached group-0 page's pages of the other groups (none with one group)."""
+        return self.tree.companions_of([block])[0] if len(self.windows) > 1 else ()
+
+    def _table(self, groups: list[list[int]], num_tokens: int) -> SequenceTable:
+        """A sequence's table over these pages (one list per group; the caller hands over its references)."""
+        tables = [BlockTable(self.pool, ids, num_tokens, w) for ids, w in zip(groups, self.windows, strict=True)]
+        return tables[0] if len(tables) == 1 else GroupedBlockTable(self.pool, tables)
 
     def no_match(self) -> PrefixHit:
         """A new empty table, as if nothing were cached: for a sequence that must compute its whole
         prompt (it wants every prompt position's logits). It may still `commit` its blocks."""
-        return PrefixHit(BlockTable(self.pool, [], 0), 0, 0, [])
+        return PrefixHit(self._table([[] for _ in self.windows], 0), 0, 0, [])
 
     def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
         """Add a match (num_tokens looked up, the first cached_len served from whole cached blocks)
@@ -102,7 +133,7 @@ class KVCacheManager:
         self.tree.count_match(namespace, num_tokens, cached_len)
 
     # -- growth ---------------------------------------------------------------------------------
-    def try_grow(self, table: BlockTable, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def try_grow(self, table: SequenceTable, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Room for num_new_tokens more tokens: the (src, dst) block copies to perform, or None (the
         table unchanged) when even eviction cannot supply the blocks.
 
@@ -116,29 +147,39 @@ class KVCacheManager:
         except OutOfBlocksError:
             return None
 
-    def fork(self, table: BlockTable) -> BlockTable:
+    def fork(self, table: SequenceTable) -> SequenceTable:
         """A child table sharing every block (one more reference on each)."""
         return table.fork()
 
     # -- the tree -------------------------------------------------------------------------------
-    def commit(self, namespace: str, tokens: Sequence[int], table: BlockTable) -> None:
+    def commit(self, namespace: str, tokens: Sequence[int], table: SequenceTable) -> None:
         """Cache the whole blocks of `tokens` (computed, held by `table`) so that other requests
         hit them; the table keeps its references, the tree takes its own. Full blocks are never
         written again, so caching them while the sequence runs is safe."""
-        self.tree.insert(namespace, tokens, table.block_ids)
+        first, *others = table.groups
+        companions = list(zip(*(t.block_ids for t in others), strict=True)) if others else []
+        self.tree.insert(namespace, tokens, first.block_ids, companions)
 
-    def cache_and_release(self, namespace: str, tokens: Sequence[int], table: BlockTable) -> None:
+    def committable_blocks(self, computed_len: int, prompt_len: int) -> int:
+        """Whole blocks a running sequence offers the tree: all it computed, but with sliding windows
+        only its prompt's. A committed group-0 block stays in the tree while the sequence holds
+        blocks below it, which would keep every generated block alive; the pages a sliding group
+        gives back stay cached too, but the tree evicts them first when the pool runs short."""
+        limit = computed_len if all(w is None for w in self.windows) else min(computed_len, prompt_len)
+        return limit // self.block_size
+
+    def cache_and_release(self, namespace: str, tokens: Sequence[int], table: SequenceTable) -> None:
         """Cache the whole blocks of `tokens` (what the table's sequence computed), then give back
         every reference of the table; it is empty afterwards."""
-        self.tree.insert(namespace, tokens, table.block_ids)
+        self.commit(namespace, tokens, table)
         table.release()
 
-    def release(self, table: BlockTable) -> None:
+    def release(self, table: SequenceTable) -> None:
         """Give back every reference of the table without caching anything."""
         table.release()
 
     # -- checks and figures ---------------------------------------------------------------------
-    def check_integrity(self, tables: Iterable[BlockTable]) -> None:
+    def check_integrity(self, tables: Iterable[SequenceTable]) -> None:
         """AssertionError unless pool and tree agree and `tables` (every live table) account for
         every reference other than the tree's."""
         holders = Counter(block for table in tables for block in table.held_ids)

@@ -12,6 +12,13 @@ from the root to the handle, which keeps that path from eviction; releasing thos
 holds a root path, a referenced block's ancestors are referenced too, so unreferenced nodes are
 always whole subtrees and eviction can go leaf first. (The one exception is brief: a sequence that
 inserts blocks below a prefix it did not hold, until it releases them.)
+
+Layer groups (cache/kv_layout.py): with several, a path is keyed by group 0's pages and each of
+them carries its position's pages of the other groups (`companions`, NO_BLOCK where the inserting
+sequence had given them back), cached, evicted and counted with it. A match stops where some
+group's window before it is incomplete (cache/window_hits.py). Invariant: a sequence that holds a
+companion holds its group-0 page too (group 0 has the widest window), so a group-0 page with only
+the tree's reference has companions with only the tree's too, and they go together.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 
 from cache.block_pool import BlockPool
 from cache.block_table import NO_BLOCK
+from cache.window_hits import usable_blocks
 
 
 @dataclass(eq=False)
@@ -49,12 +57,16 @@ class MatchResult:
     cached_len: int  # tokens covered by block_ids; a multiple of block_size, <= len(tokens) - 1
     block_ids: list[int]
     handle: _Node | None  # deepest matched node; pass to lock/unlock
+    companions: list[tuple[int, ...]] = field(default_factory=list)  # per block: the other groups' pages
 
 
 class RadixPrefixTree:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, companion_windows: Sequence[int | None] = ()) -> None:
+        """`companion_windows`: the windows of groups 1.. of a layout with several (none: one group)."""
         self.pool = pool
         self.block_size = pool.block_size
+        self.companion_windows = tuple(companion_windows)
+        self._companions: dict[int, tuple[int, ...]] = {}  # cached group-0 page -> the other groups' pages
         self._roots: dict[str, _Node] = {}
         self.stats: dict[str, NamespaceStats] = {}
         self._clock = itertools.count(1)
@@ -70,14 +82,26 @@ class RadixPrefixTree:
         """Longest cached prefix of whole blocks, never covering the last token. `count`: add it to
         the namespace's hit/miss stats now (otherwise the caller does, with `count_match`)."""
         tokens = list(tokens)
-        max_blocks = (len(tokens) - 1) // self.block_size
-        node, num_blocks, block_ids = self._walk(namespace, tokens, max_blocks)
+        node, num_blocks, block_ids = self._walk(namespace, tokens, self._usable(namespace, tokens))
         if node is not None:
             self._touch(node)
         cached_len = num_blocks * self.block_size
         if count:
             self.count_match(namespace, len(tokens), cached_len)
-        return MatchResult(cached_len, block_ids, node)
+        return MatchResult(cached_len, block_ids, node, self.companions_of(block_ids))
+
+    def companions_of(self, block_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """The other groups' pages of these cached group-0 pages ([] with one group)."""
+        return [self._companions[b] for b in block_ids] if self.companion_windows else []
+
+    def _usable(self, namespace: str, tokens: list[int]) -> int:
+        """Whole blocks a match may serve: never the last token, and (layer groups) only as far as
+        every group still holds the keys the next query sees."""
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if not self.companion_windows:
+            return max_blocks
+        _, _, block_ids = self._walk(namespace, tokens, max_blocks, split=False)
+        return usable_blocks(self.companions_of(block_ids), self.companion_windows, self.block_size)
 
     def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
         """Count a match of num_tokens tokens whose first cached_len were cached (hit/miss stats)."""
@@ -108,11 +132,13 @@ class RadixPrefixTree:
     def peek(self, namespace: str, tokens: Sequence[int]) -> int:
         """Tokens `match` would serve now, without counting it in the stats or touching LRU order."""
         tokens = list(tokens)
-        _, num_blocks, _ = self._walk(namespace, tokens, (len(tokens) - 1) // self.block_size)
+        _, num_blocks, _ = self._walk(namespace, tokens, self._usable(namespace, tokens), split=False)
         return num_blocks * self.block_size
 
-    def insert(self, namespace: str, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
-        """Cache the whole blocks of `tokens` (held by the caller as `block_ids`).
+    def insert(self, namespace: str, tokens: Sequence[int], block_ids: Sequence[int],
+               companions: Sequence[tuple[int, ...]] = ()) -> int:
+        """Cache the whole blocks of `tokens` (held by the caller as `block_ids`; with layer groups,
+        `companions[i]` are block i's pages of the other groups, NO_BLOCK where given back).
 
         Returns how many tokens were already cached; the caller's blocks for that part are
         duplicates it simply releases. The tree takes its own reference on the blocks it adds. The
@@ -136,6 +162,10 @@ class RadixPrefixTree:
             child = _Node(key=list(tokens[matched * bs : num_blocks * bs]), blocks=new_blocks, parent=node)
             node.children[tuple(child.key[:bs])] = child
             self.pool.cache(new_blocks)
+            for i, block in enumerate(new_blocks, start=matched):
+                if self.companion_windows:
+                    self._companions[block] = tuple(companions[i])
+                    self.pool.cache(c for c in companions[i] if c != NO_BLOCK)
             self._num_nodes += 1
             self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += len(child.key)
             node = child
@@ -143,9 +173,11 @@ class RadixPrefixTree:
             self._touch(node)
         return matched * self.block_size
 
-    def _walk(self, namespace: str, tokens: list[int], max_blocks: int) -> tuple[_Node | None, int, list[int]]:
+    def _walk(self, namespace: str, tokens: list[int], max_blocks: int,
+              split: bool = True) -> tuple[_Node | None, int, list[int]]:
         """Follow `tokens` down whole blocks (at most max_blocks), splitting the last edge where
-        the match ends inside it. Returns (deepest matched node or None, blocks matched, ids)."""
+        the match ends inside it (unless `split` is False: then the node returned may go on past
+        the match). Returns (deepest matched node or None, blocks matched, ids)."""
         root = self._roots.get(namespace)
         if root is None:
             return None, 0, []
@@ -165,9 +197,9 @@ class RadixPrefixTree:
                     child.key[matched * bs : (matched + 1) * bs] == tokens[(pos + matched) * bs : (pos + matched + 1) * bs]
                 ):
                     matched += 1
-            if matched < edge_blocks:
+            if matched < edge_blocks and split:
                 child = self._split(child, matched)
-            block_ids.extend(child.blocks)
+            block_ids.extend(child.blocks[:matched])
             pos += matched
             node = child
             if matched < edge_blocks:
@@ -220,9 +252,11 @@ class RadixPrefixTree:
 
     # -- eviction -----------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks unreferenced blocks, least recently used leaves first, taking
-        blocks from the end of a leaf's edge; a parent becomes a leaf once its children are gone."""
-        freed: list[int] = []
+        """Free about num_blocks unreferenced blocks, least recently used leaves first, taking
+        blocks from the end of a leaf's edge; a parent becomes a leaf once its children are gone.
+        With layer groups, first the companions no sequence holds below a group-0 page a sequence
+        does hold: what a running sequence gave back as it left its window."""
+        freed = self._evict_left_companions(num_blocks) if self.companion_windows else []
         referenced: list[_Node] = []  # leaves in use now; requeued afterwards
         while len(freed) < num_blocks and self._leaf_heap:
             access, _, node = heapq.heappop(self._leaf_heap)
@@ -231,22 +265,42 @@ class RadixPrefixTree:
             if self.pool.ref_count(node.blocks[-1]) != 1:
                 referenced.append(node)
                 continue
-            self._evict_tail(node, num_blocks - len(freed), freed)
+            self._evict_tail(node, num_blocks, freed)
             if node.alive:
                 referenced.append(node)  # partly evicted and still a leaf: keep it queued
         for node in referenced:
             self._push_leaf(node)
         return freed
 
-    def _evict_tail(self, node: _Node, wanted: int, freed: list[int]) -> None:
+    def _evict_left_companions(self, num_blocks: int) -> list[int]:
+        """Up to num_blocks companion pages with only the tree's reference whose group-0 page is
+        held: the path keeps its group-0 pages and marks those companions NO_BLOCK (a later hit stops
+        before a window that lacks them). O(cached pages); it runs only when the pool is short."""
+        freed: list[int] = []
+        for block, pages in self._companions.items():
+            if len(freed) >= num_blocks:
+                break
+            if self.pool.ref_count(block) == 1:
+                continue  # an evictable path: its leaf goes whole, companions with it
+            loose = [p for p in pages if p != NO_BLOCK and self.pool.ref_count(p) == 1]
+            if loose:
+                self.pool.uncache(loose)
+                freed.extend(loose)
+                self._companions[block] = tuple(NO_BLOCK if p in loose else p for p in pages)
+        return freed
+
+    def _evict_tail(self, node: _Node, num_blocks: int, freed: list[int]) -> None:
+        """Evict the leaf's unreferenced tail until `freed` holds num_blocks pages (a group-0 page
+        goes with its companions: `freed` may end a few over)."""
         bs = self.block_size
         edge_key = tuple(node.key[:bs])
         taken = 0
-        while node.blocks and taken < wanted and self.pool.ref_count(node.blocks[-1]) == 1:
+        while node.blocks and len(freed) < num_blocks and self.pool.ref_count(node.blocks[-1]) == 1:
             block_id = node.blocks.pop()
             del node.key[-bs:]
-            self.pool.uncache([block_id])
-            freed.append(block_id)
+            pages = [block_id, *(c for c in self._companions.pop(block_id, ()) if c != NO_BLOCK)]
+            self.pool.uncache(pages)
+            freed.extend(pages)
             taken += 1
         self.stats[_root_of(node).namespace].evicted_tokens += taken * bs
         if node.blocks:
@@ -284,7 +338,8 @@ class RadixPrefixTree:
                     raise AssertionError("an edge is not a whole number of blocks")
                 if node.parent is None or node.parent.children.get(tuple(node.key[:bs])) is not node:
                     raise AssertionError("a child is not keyed by its first block")
-                for block_id in node.blocks:
+                pages = [p for b in node.blocks for p in (b, *self._companions.get(b, ())) if p != NO_BLOCK]
+                for block_id in pages:
                     if block_id in seen or not self.pool.is_cached(block_id):
                         raise AssertionError(f"block {block_id} is in the tree twice or not marked cached")
                     seen.add(block_id)

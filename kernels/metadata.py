@@ -47,6 +47,25 @@ class PagedAttentionMetadata:
     # Python rows of `block_tables` for the backends that plan in Python (the CPU cascade); made from
     # the tensor on first use when the step was built from tensors (`from_tables`).
     tables_as_lists: list[list[int]] | None = None
+    # With several layer groups (cache/kv_layout.py): the step as groups 1.. see it, their own
+    # block tables and slots (same tokens, positions and lengths); empty with one group.
+    other_groups: list[PagedAttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> PagedAttentionMetadata:
+        """The step as the layers of `group` see it (their pages)."""
+        return self if group == 0 else self.other_groups[group - 1]
+
+    def with_tables(self, block_tables: torch.Tensor) -> PagedAttentionMetadata:
+        """The same step over another group's block tables [S, max_blocks] (rows as in `from_tables`)."""
+        q_lens = self.query_start[1:] - self.query_start[:-1]
+        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=block_tables.device), q_lens)
+        token_blocks = block_tables[seq_of_token, self.positions // self.block_size].long()
+        return PagedAttentionMetadata(
+            query_start=self.query_start, context_lens=self.context_lens, block_tables=block_tables,
+            slot_mapping=token_blocks * self.block_size + self.positions % self.block_size,
+            positions=self.positions, block_size=self.block_size, num_decodes=self.num_decodes,
+            query_lens_list=self.query_lens_list, context_lens_list=self.context_lens_list, backend=self.backend,
+        )
 
     @property
     def block_tables_list(self) -> list[list[int]]:

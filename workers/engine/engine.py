@@ -46,8 +46,7 @@ class Engine:
         self.name = name or loaded.folder.name
         self.cache, self.runner = build_runner(loaded, config)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
-                                   config.scheduling, config.max_running_per_tenant,
-                                   loaded.model.config.uniform_window)
+                                   config.scheduling, config.max_running_per_tenant)
         c = loaded.model.config
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

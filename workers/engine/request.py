@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from cache.block_table import BlockTable
+from cache.grouped_table import SequenceTable
 from workers.wire.sampling import SamplingParams
 
 
@@ -68,7 +68,7 @@ class Sequence:
     # until it leaves: committed while it runs, they would hang in the tree below cached blocks it does
     # not hold, which then count as evictable and are not (cache/manager.py try_grow)
     commits_blocks: bool = True
-    block_table: BlockTable | None = None
+    block_table: SequenceTable | None = None  # one table per layer group when the model has several
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -71,11 +71,13 @@ class ModelRunner:
             if samples:
                 sampling_rows.append(row)
         device = self.model.device
-        block_tables = self.table_rows.gather(tables)
+        block_tables = self.table_rows.gather([table.groups[0] for table in tables])
         meta = self._decode_rows(batch, block_tables) if batch.has_drafts else None
         if meta is None:
             meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, block_tables,
                                                       self.kv.block_size, backend=self.backend)
+        for group in range(1, self.kv.layout.num_groups):  # the other layer groups' pages
+            meta.other_groups.append(meta.with_tables(self.table_rows.gather([t.groups[group] for t in tables])))
         if batch.has_drafts:  # the flat token order is the same with or without decode rows
             wanted = _draft_rows(batch, sampling_rows, device)
         else:
@@ -99,7 +101,7 @@ class ModelRunner:
     def _decode_rows(self, batch: ScheduledBatch, block_tables: torch.Tensor) -> PagedAttentionMetadata | None:
         """A verification step as one-token decode rows, when every sequence decodes and the model's
         fused decode step takes the rows; None: the step runs extend-style."""
-        if not decode_rows.all_decoding(batch.num_new, batch.drafts):
+        if not decode_rows.all_decoding(batch.num_new, batch.drafts) or self.kv.layout.num_groups > 1:
             return None
         meta = decode_rows.expand(batch.num_new, [seq.computed_len for seq in batch.seqs], block_tables,
                                   self.kv.block_size, self.backend)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cache.block_table import BlockTable
+from cache.grouped_table import SequenceTable
 from cache.manager import KVCacheManager
 from workers.engine.admission import POLICIES, AdmissionOrder, Policy, preemption_victim, running_order
 from workers.engine.batch import Fork, ScheduledBatch, StepUpdate, fork_choice
@@ -48,7 +48,7 @@ from workers.engine.request import FinishReason, Priority, Sequence, Status
 class Scheduler:
     def __init__(
         self, cache: KVCacheManager, max_batch_tokens: int = 512, max_running: int = 64, max_wait_s: float = 30.0,
-        policy: Policy = "fair", max_running_per_tenant: int = 0, sliding_window: int | None = None,
+        policy: Policy = "fair", max_running_per_tenant: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -56,11 +56,10 @@ class Scheduler:
         self.max_batch_tokens, self.max_running, self.max_wait_s = max_batch_tokens, max_running, max_wait_s
         self.policy = policy
         self.max_running_per_tenant = max_running_per_tenant  # 0: no cap (workers/engine/admission.py)
-        # Every layer's window (ModelConfig.uniform_window; None: some layer sees everything). With one,
-        # blocks wholly outside a sequence's window are given back before each step, and a running
-        # sequence commits only its prompt's blocks to the tree: a committed block stays pinned
-        # there while blocks below it are held, which would keep every generated block alive.
-        self.sliding_window = sliding_window
+        # Sliding windows live in the tables the cache hands out (each group's): blocks wholly outside
+        # a sequence's window are given back before each step, and a running sequence commits only
+        # what `cache.committable_blocks` allows (a committed block stays pinned while blocks below
+        # it are held).
         self.vtc = VirtualTokenCounter()  # kept under both policies (metrics); only `fair` orders by it
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -150,11 +149,11 @@ class Scheduler:
             budget -= admitted
         return batch.ordered()
 
-    def _drop_out_of_window(self, table: BlockTable | None, computed_len: int) -> None:
-        """Give back the blocks no query of the next step can see: the first query sits at position
-        computed_len and sees keys from computed_len - window + 1 on."""
-        if self.sliding_window is not None and table is not None:
-            table.drop_before(computed_len - self.sliding_window + 1)
+    @staticmethod
+    def _drop_out_of_window(table: SequenceTable | None, computed_len: int) -> None:
+        """Give back the blocks no query of the next step can see (BlockTable.drop_out_of_window)."""
+        if table is not None:
+            table.drop_out_of_window(computed_len)
 
     def _grow(self, seq: Sequence, num_new: int, scheduled: set[Sequence]) -> list[tuple[int, int]] | None:
         """Blocks for num_new more tokens, preempting other sequences not in `scheduled` (this step's
@@ -260,9 +259,7 @@ class Scheduler:
         requests sharing its prefix hit them while it is still running (the tree adds its own
         references; full blocks are never written again)."""
         table = seq.block_table
-        full_blocks = seq.computed_len // self.cache.block_size
-        if self.sliding_window is not None:
-            full_blocks = min(full_blocks, seq.prompt_len // self.cache.block_size)
+        full_blocks = self.cache.committable_blocks(seq.computed_len, seq.prompt_len)
         if table is None or not seq.commits_blocks or full_blocks <= seq.committed_blocks:
             return
         self.cache.commit(seq.namespace, seq.all_ids[: full_blocks * self.cache.block_size], table)
@@ -311,10 +308,10 @@ class Scheduler:
         for seq in self.running:
             if seq.block_table is None:
                 continue
-            table = seq.block_table
-            for i, block in enumerate(table.held_ids, start=table.num_dropped):
-                in_block = min(max(seq.computed_len - i * bs, 0), bs)
-                filled[block] = max(filled.get(block, 0), in_block)
+            for table in seq.block_table.groups:
+                for i, block in enumerate(table.held_ids, start=table.num_dropped):
+                    in_block = min(max(seq.computed_len - i * bs, 0), bs)
+                    filled[block] = max(filled.get(block, 0), in_block)
         return sum(filled.values()), len(filled) * bs
 
     def check_integrity(self) -> None:

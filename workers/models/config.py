@@ -71,12 +71,12 @@ class ModelConfig:
             )
 
     @property
-    def uniform_window(self) -> int | None:
-        """The sliding window every layer has (None when some layer sees the whole context): only
-        then can a sequence give back the KV blocks that left it, one block table serving all layers."""
-        if self.sliding_window is None or any(t != "sliding_attention" for t in self.layer_types):
-            return None
-        return self.sliding_window
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer sees the whole context). Layers with different
+        windows get one block table per group (cache/kv_layout.py)."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
     def q_size(self) -> int:

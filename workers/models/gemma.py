@@ -63,8 +63,9 @@ class Gemma3DecoderLayer(DecoderLayer):
         q, k = self.normalize_qk(q.view(n, self.num_q_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale,
-                               self.sliding_window, self.softcap)
+        i = self.layer_index
+        attn = paged_attention(q, k, v, kv.keys[i], kv.values[i], meta.for_group(kv.layout.group_of_layer[i]),
+                               self.scale, self.sliding_window, self.softcap)
         hidden = hidden + self.post_attention_norm(self.o_proj(attn.reshape(n, -1))).float()
         return hidden + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(hidden))).float()
 

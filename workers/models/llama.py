@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cache.kv_layout import KVLayout
 from cache.kv_storage import KVStorage
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
@@ -80,8 +81,9 @@ class DecoderLayer(nn.Module):
         meta: PagedAttentionMetadata,
     ) -> torch.Tensor:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return paged_attention(q, k, v, kv.keys[self.layer_index], kv.values[self.layer_index], meta, self.scale,
-                                   self.sliding_window)
+            i = self.layer_index
+            return paged_attention(q, k, v, kv.keys[i], kv.values[i], meta.for_group(kv.layout.group_of_layer[i]),
+                                   self.scale, self.sliding_window)
 
         return self.forward_with(hidden, cos, sin, attend)
 
@@ -138,12 +140,14 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> KVStorage:
+    def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
+                    layout: KVLayout | None = None) -> KVStorage:
         """K/V storage for this model; dtype: the cache's (None: the model's; workers/precision.py
-        `resolve_kv_cache_dtype` says which others a model may use)."""
+        `resolve_kv_cache_dtype` says which others a model may use); layout: its layer groups (None:
+        one, every block id a block of every layer)."""
         c = self.config
         return KVStorage(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype or self.dtype,
-                         self.device)
+                         self.device, layout)
 
     @torch.inference_mode()
     def forward(

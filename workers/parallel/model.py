@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cache.kv_layout import KVLayout
 from cache.kv_storage import KVStorage
 from kernels.metadata import PagedAttentionMetadata
 from workers.models.llama import REFINED_TOP, LlamaForCausalLM
@@ -63,7 +64,10 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             self._quiet = quiet
 
     # -- the engine's calls (announced by the leader) -------------------------------------------
-    def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> KVStorage:
+    def allocate_kv(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None,
+                    layout: KVLayout | None = None) -> KVStorage:
+        if layout is not None and layout.num_groups > 1:  # only Llama layers shard: one window for all
+            raise ValueError("a sharded model keeps one block table for all its layers")
         self._announce("kv", num_blocks, block_size, dtype)
         c = self.config
         cls = AnnouncedKVStorage if self.is_leader else KVStorage

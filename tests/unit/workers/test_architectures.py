@@ -116,7 +116,7 @@ def test_a_sliding_window_gives_back_the_blocks_that_left_it(family) -> None:
     step can see, so 100 tokens run in a 12-block cache that could not hold them whole, with the
     same tokens as transformers; the prompt's blocks stay in the tree for the next request."""
     _, loaded, theirs = family
-    assert loaded.model.config.uniform_window == 8
+    assert set(loaded.model.config.layer_windows) == {8}
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, loaded.model.config.vocab_size, (22,), generator=gen).tolist()
     engine = Engine(loaded, EngineConfig(num_blocks=12, block_size=4, max_batch_tokens=8))  # 3 prefill chunks
@@ -135,6 +135,37 @@ def test_a_sliding_window_gives_back_the_blocks_that_left_it(family) -> None:
     again = engine.add_request("again", prompt + [5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_work():
         engine.step()
+    assert again.cached_len == 20 and again.output_ids == hf_greedy(theirs, prompt + [5, 6], 4)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"], indirect=True)
+def test_mixed_windows_give_back_the_sliding_layers_pages(family) -> None:
+    """Sliding (window 8) and full layers: one block table per layer group over one page pool
+    (block size 4, a page is one layer's block here). The sliding groups hold at most the pages
+    their window needs while the full group keeps every block, so 100 tokens run in 36 pages where
+    one table for all three layers would need 75 - with transformers' tokens. The prompt's blocks
+    stay cached; the next request hits them as far as the sliding pages it needs are still there."""
+    _, loaded, theirs = family
+    assert loaded.model.config.layer_windows == (8, None, 8)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, loaded.model.config.vocab_size, (22,), generator=gen).tolist()
+    engine = Engine(loaded, EngineConfig(num_blocks=36, block_size=4, max_batch_tokens=8))  # 3 prefill chunks
+    assert engine.runner.kv.layout.group_windows == (None, 8, 8)
+    seq = engine.add_request("long", prompt, SamplingParams(max_tokens=78, temperature=0.0, ignore_eos=True))
+    held: list[list[int]] = []
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+        if seq.block_table is not None:
+            held.append([len(t.held_ids) for t in seq.block_table.groups])
+    assert seq.finish_reason is not None and seq.finish_reason.value == "length"
+    assert seq.output_ids == hf_greedy(theirs, prompt, 78)
+    assert max(h[1] for h in held) <= 4 and max(h[2] for h in held) <= 4 and held[-1][0] == 25
+    assert engine.cache.all_free_or_evictable()
+    again = engine.add_request("again", prompt + [5, 6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
     assert again.cached_len == 20 and again.output_ids == hf_greedy(theirs, prompt + [5, 6], 4)
 
 
