@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 from cache.block_pool import BlockPool, OutOfBlocksError
 from cache.block_table import NO_BLOCK, BlockTable
+from cache.companions import first_needed_block
 from cache.grouped_table import GroupedBlockTable, SequenceTable
 from cache.kv_layout import KVLayout
 from cache.radix_tree import MatchResult, RadixPrefixTree
-from cache.window_hits import first_needed_block
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class KVCacheManager:
 
     def _companions(self, block: int) -> tuple[int, ...]:
         """A cached group-0 page's pages of the other groups (none with one group)."""
-        return self.tree.companions_of([block])[0] if len(self.windows) > 1 else ()
+        return self.tree.companions.of([block])[0] if len(self.windows) > 1 else ()
 
     def _table(self, groups: list[list[int]], num_tokens: int) -> SequenceTable:
         """A sequence's table over these pages (one list per group; the caller hands over its references)."""

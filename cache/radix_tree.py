@@ -16,7 +16,7 @@ inserts blocks below a prefix it did not hold, until it releases them.)
 Layer groups (cache/kv_layout.py): with several, a path is keyed by group 0's pages and each of
 them carries its position's pages of the other groups (`companions`, NO_BLOCK where the inserting
 sequence had given them back), cached, evicted and counted with it. A match stops where some
-group's window before it is incomplete (cache/window_hits.py). Invariant: a sequence that holds a
+group's window before it is incomplete (cache/companions.py). Invariant: a sequence that holds a
 companion holds its group-0 page too (group 0 has the widest window), so a group-0 page with only
 the tree's reference has companions with only the tree's too, and they go together.
 """
@@ -30,18 +30,8 @@ from dataclasses import dataclass, field
 
 from cache.block_pool import BlockPool
 from cache.block_table import NO_BLOCK
-from cache.window_hits import usable_blocks
-
-
-@dataclass(eq=False)
-class _Node:
-    key: list[int]  # tokens on the edge from the parent; len == len(blocks) * block_size
-    blocks: list[int]
-    parent: _Node | None
-    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
-    last_access: int = 0
-    alive: bool = True
-    namespace: str = ""  # set on roots only
+from cache.companions import CompanionPages
+from cache.radix_node import Node, descendants, path_blocks, path_to_root, root_of
 
 
 @dataclass
@@ -56,7 +46,7 @@ class NamespaceStats:
 class MatchResult:
     cached_len: int  # tokens covered by block_ids; a multiple of block_size, <= len(tokens) - 1
     block_ids: list[int]
-    handle: _Node | None  # deepest matched node; pass to lock/unlock
+    handle: Node | None  # deepest matched node; pass to lock/unlock
     companions: list[tuple[int, ...]] = field(default_factory=list)  # per block: the other groups' pages
 
 
@@ -65,14 +55,13 @@ class RadixPrefixTree:
         """`companion_windows`: the windows of groups 1.. of a layout with several (none: one group)."""
         self.pool = pool
         self.block_size = pool.block_size
-        self.companion_windows = tuple(companion_windows)
-        self._companions: dict[int, tuple[int, ...]] = {}  # cached group-0 page -> the other groups' pages
-        self._roots: dict[str, _Node] = {}
+        self.companions = CompanionPages(pool, companion_windows)  # the other groups' pages (layer groups)
+        self._roots: dict[str, Node] = {}
         self.stats: dict[str, NamespaceStats] = {}
         self._clock = itertools.count(1)
         # Candidate leaves for eviction as (last_access, tiebreak, node); entries go stale when a
         # node is touched, split off, gets children or dies, and are skipped when popped.
-        self._leaf_heap: list[tuple[int, int, _Node]] = []
+        self._leaf_heap: list[tuple[int, int, Node]] = []
         self._tiebreak = itertools.count()
         self._num_nodes = 0
         pool.set_evictor(self.evict)
@@ -88,20 +77,16 @@ class RadixPrefixTree:
         cached_len = num_blocks * self.block_size
         if count:
             self.count_match(namespace, len(tokens), cached_len)
-        return MatchResult(cached_len, block_ids, node, self.companions_of(block_ids))
-
-    def companions_of(self, block_ids: Sequence[int]) -> list[tuple[int, ...]]:
-        """The other groups' pages of these cached group-0 pages ([] with one group)."""
-        return [self._companions[b] for b in block_ids] if self.companion_windows else []
+        return MatchResult(cached_len, block_ids, node, self.companions.of(block_ids))
 
     def _usable(self, namespace: str, tokens: list[int]) -> int:
         """Whole blocks a match may serve: never the last token, and (layer groups) only as far as
         every group still holds the keys the next query sees."""
         max_blocks = (len(tokens) - 1) // self.block_size
-        if not self.companion_windows:
+        if not self.companions:
             return max_blocks
         _, _, block_ids = self._walk(namespace, tokens, max_blocks, split=False)
-        return usable_blocks(self.companions_of(block_ids), self.companion_windows, self.block_size)
+        return self.companions.usable(block_ids)
 
     def count_match(self, namespace: str, num_tokens: int, cached_len: int) -> None:
         """Count a match of num_tokens tokens whose first cached_len were cached (hit/miss stats)."""
@@ -150,7 +135,7 @@ class RadixPrefixTree:
         if len(block_ids) < num_blocks:
             raise ValueError(f"{num_blocks} full blocks of tokens but only {len(block_ids)} block ids")
         if namespace not in self._roots:
-            self._roots[namespace] = _Node(key=[], blocks=[], parent=None, namespace=namespace)
+            self._roots[namespace] = Node(key=[], blocks=[], parent=None, namespace=namespace)
         node, matched, _ = self._walk(namespace, tokens, num_blocks)
         node = node or self._roots[namespace]
         new_blocks = list(block_ids[matched:num_blocks])
@@ -159,13 +144,12 @@ class RadixPrefixTree:
             num_blocks = matched + len(new_blocks)
         if matched < num_blocks:
             bs = self.block_size
-            child = _Node(key=list(tokens[matched * bs : num_blocks * bs]), blocks=new_blocks, parent=node)
+            child = Node(key=list(tokens[matched * bs : num_blocks * bs]), blocks=new_blocks, parent=node)
             node.children[tuple(child.key[:bs])] = child
             self.pool.cache(new_blocks)
             for i, block in enumerate(new_blocks, start=matched):
-                if self.companion_windows:
-                    self._companions[block] = tuple(companions[i])
-                    self.pool.cache(c for c in companions[i] if c != NO_BLOCK)
+                if self.companions:
+                    self.companions.add(block, tuple(companions[i]))
             self._num_nodes += 1
             self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += len(child.key)
             node = child
@@ -174,7 +158,7 @@ class RadixPrefixTree:
         return matched * self.block_size
 
     def _walk(self, namespace: str, tokens: list[int], max_blocks: int,
-              split: bool = True) -> tuple[_Node | None, int, list[int]]:
+              split: bool = True) -> tuple[Node | None, int, list[int]]:
         """Follow `tokens` down whole blocks (at most max_blocks), splitting the last edge where
         the match ends inside it (unless `split` is False: then the node returned may go on past
         the match). Returns (deepest matched node or None, blocks matched, ids)."""
@@ -206,12 +190,12 @@ class RadixPrefixTree:
                 break
         return (node if pos else None), pos, block_ids
 
-    def _split(self, node: _Node, num_blocks: int) -> _Node:
+    def _split(self, node: Node, num_blocks: int) -> Node:
         """Cut `node`'s edge after num_blocks; returns the new upper node (node keeps the rest)."""
         bs = self.block_size
         parent = node.parent
         assert parent is not None
-        upper = _Node(
+        upper = Node(
             key=node.key[: num_blocks * bs], blocks=node.blocks[:num_blocks], parent=parent,
             last_access=node.last_access,
         )
@@ -222,7 +206,7 @@ class RadixPrefixTree:
         self._num_nodes += 1
         return upper
 
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: Node) -> None:
         """Mark the path root..node as used now; (re)queue node if it is a leaf."""
         now = next(self._clock)
         bottom = node
@@ -232,22 +216,22 @@ class RadixPrefixTree:
         if not bottom.children:
             self._push_leaf(bottom)
 
-    def _push_leaf(self, node: _Node) -> None:
+    def _push_leaf(self, node: Node) -> None:
         heapq.heappush(self._leaf_heap, (node.last_access, next(self._tiebreak), node))
         if len(self._leaf_heap) > 2 * self._num_nodes + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        leaves = [n for root in self._roots.values() for n in _descendants(root) if not n.children]
+        leaves = [n for root in self._roots.values() for n in descendants(root) if not n.children]
         self._leaf_heap = [(n.last_access, next(self._tiebreak), n) for n in leaves]
         heapq.heapify(self._leaf_heap)
 
     # -- locking ------------------------------------------------------------------------------
-    def lock(self, handle: _Node | None) -> None:
+    def lock(self, handle: Node | None) -> None:
         """Give the caller one reference on each block from the root to `handle`."""
         self.pool.retain(path_blocks(handle))
 
-    def unlock(self, handle: _Node | None) -> None:
+    def unlock(self, handle: Node | None) -> None:
         self.pool.release(path_blocks(handle))
 
     # -- eviction -----------------------------------------------------------------------------
@@ -256,8 +240,8 @@ class RadixPrefixTree:
         blocks from the end of a leaf's edge; a parent becomes a leaf once its children are gone.
         With layer groups, first the companions no sequence holds below a group-0 page a sequence
         does hold: what a running sequence gave back as it left its window."""
-        freed = self._evict_left_companions(num_blocks) if self.companion_windows else []
-        referenced: list[_Node] = []  # leaves in use now; requeued afterwards
+        freed = self.companions.evict_left(num_blocks) if self.companions else []
+        referenced: list[Node] = []  # leaves in use now; requeued afterwards
         while len(freed) < num_blocks and self._leaf_heap:
             access, _, node = heapq.heappop(self._leaf_heap)
             if not node.alive or node.children or node.last_access != access:
@@ -272,24 +256,7 @@ class RadixPrefixTree:
             self._push_leaf(node)
         return freed
 
-    def _evict_left_companions(self, num_blocks: int) -> list[int]:
-        """Up to num_blocks companion pages with only the tree's reference whose group-0 page is
-        held: the path keeps its group-0 pages and marks those companions NO_BLOCK (a later hit stops
-        before a window that lacks them). O(cached pages); it runs only when the pool is short."""
-        freed: list[int] = []
-        for block, pages in self._companions.items():
-            if len(freed) >= num_blocks:
-                break
-            if self.pool.ref_count(block) == 1:
-                continue  # an evictable path: its leaf goes whole, companions with it
-            loose = [p for p in pages if p != NO_BLOCK and self.pool.ref_count(p) == 1]
-            if loose:
-                self.pool.uncache(loose)
-                freed.extend(loose)
-                self._companions[block] = tuple(NO_BLOCK if p in loose else p for p in pages)
-        return freed
-
-    def _evict_tail(self, node: _Node, num_blocks: int, freed: list[int]) -> None:
+    def _evict_tail(self, node: Node, num_blocks: int, freed: list[int]) -> None:
         """Evict the leaf's unreferenced tail until `freed` holds num_blocks pages (a group-0 page
         goes with its companions: `freed` may end a few over)."""
         bs = self.block_size
@@ -298,11 +265,11 @@ class RadixPrefixTree:
         while node.blocks and len(freed) < num_blocks and self.pool.ref_count(node.blocks[-1]) == 1:
             block_id = node.blocks.pop()
             del node.key[-bs:]
-            pages = [block_id, *(c for c in self._companions.pop(block_id, ()) if c != NO_BLOCK)]
+            pages = [block_id, *self.companions.pop(block_id)]
             self.pool.uncache(pages)
             freed.extend(pages)
             taken += 1
-        self.stats[_root_of(node).namespace].evicted_tokens += taken * bs
+        self.stats[root_of(node).namespace].evicted_tokens += taken * bs
         if node.blocks:
             return
         parent = node.parent
@@ -320,9 +287,9 @@ class RadixPrefixTree:
         if root is None:
             return []
         out = []
-        for node in _descendants(root):
+        for node in descendants(root):
             if not node.children:
-                out.append([t for n in reversed(list(_path(node))) for t in n.key])
+                out.append([t for n in reversed(list(path_to_root(node))) for t in n.key])
         return out
 
     def check_integrity(self, holders: Mapping[int, int] | None = None) -> None:
@@ -332,13 +299,13 @@ class RadixPrefixTree:
         seen: set[int] = set()
         num_nodes = 0
         for root in self._roots.values():
-            for node in _descendants(root):
+            for node in descendants(root):
                 num_nodes += 1
                 if len(node.key) != len(node.blocks) * bs or not node.blocks:
                     raise AssertionError("an edge is not a whole number of blocks")
                 if node.parent is None or node.parent.children.get(tuple(node.key[:bs])) is not node:
                     raise AssertionError("a child is not keyed by its first block")
-                pages = [p for b in node.blocks for p in (b, *self._companions.get(b, ())) if p != NO_BLOCK]
+                pages = [p for b in node.blocks for p in (b, *self.companions.held(b))]
                 for block_id in pages:
                     if block_id in seen or not self.pool.is_cached(block_id):
                         raise AssertionError(f"block {block_id} is in the tree twice or not marked cached")
@@ -349,30 +316,3 @@ class RadixPrefixTree:
         if cached != len(seen):
             raise AssertionError(f"{cached} blocks marked cached, {len(seen)} in the tree")
 
-
-def _descendants(root: _Node) -> list[_Node]:
-    out, stack = [], list(root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
-
-
-def _path(node: _Node):
-    while node.parent is not None:
-        yield node
-        node = node.parent
-
-
-def path_blocks(handle: _Node | None) -> list[int]:
-    """Block ids from the root down to `handle` (inclusive)."""
-    if handle is None:
-        return []
-    return [b for node in reversed(list(_path(handle))) for b in node.blocks]
-
-
-def _root_of(node: _Node) -> _Node:
-    while node.parent is not None:
-        node = node.parent
-    return node

@@ -10,10 +10,10 @@ import torch
 from cache import KVCacheManager
 from cache.block_pool import OutOfBlocksError
 from cache.block_table import NO_BLOCK
+from cache.companions import first_needed_block, usable_blocks
 from cache.grouped_table import GroupedBlockTable
 from cache.kv_layout import KVLayout
 from cache.kv_storage import KVStorage
-from cache.window_hits import first_needed_block, usable_blocks
 
 FULL, W = None, 8
 GEMMA3_1B = [FULL if (i + 1) % 6 == 0 else 512 for i in range(26)]  # 4 full layers, 22 sliding

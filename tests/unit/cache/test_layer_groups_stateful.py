@@ -14,9 +14,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from cache import KVCacheManager, OutOfBlocksError
 from cache.block_table import NO_BLOCK
+from cache.companions import first_needed_block
 from cache.grouped_table import GroupedBlockTable
 from cache.kv_layout import KVLayout
-from cache.window_hits import first_needed_block
 
 BS, WINDOW = 2, 3
 NAMESPACES = st.sampled_from(["tenant-a", "shared"])
