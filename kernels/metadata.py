@@ -57,8 +57,9 @@ class PagedAttentionMetadata:
 
     def with_tables(self, block_tables: torch.Tensor) -> PagedAttentionMetadata:
         """The same step over another group's block tables [S, max_blocks] (rows as in `from_tables`)."""
-        q_lens = self.query_start[1:] - self.query_start[:-1]
-        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=block_tables.device), q_lens)
+        seq_of_token = torch.arange(self.num_seqs, device=block_tables.device)
+        if self.num_decodes != self.num_seqs:  # (all decodes: token i is sequence i's, no host sync)
+            seq_of_token = torch.repeat_interleave(seq_of_token, self.query_start[1:] - self.query_start[:-1])
         token_blocks = block_tables[seq_of_token, self.positions // self.block_size].long()
         return PagedAttentionMetadata(
             query_start=self.query_start, context_lens=self.context_lens, block_tables=block_tables,

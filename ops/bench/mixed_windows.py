@@ -7,7 +7,7 @@ with the default model's tokenizer (nothing downloaded). Per layout, a fresh eng
 `--budget-mib` of KV runs `--streams` greedy requests of a 64-token prompt asking `--output` tokens
 each; printed: the cache's pages, the tokens each request got before the cache could not hold it
 (`length`), and the decode rate. The single-table layout is what the engine used before the
-groups (and still uses under CUDA graphs).
+groups (and a compiled decode step still uses).
 
     PYTHONPATH=. .venv/bin/python ops/bench/mixed_windows.py --home .tollway [--budget-mib 32 --output 3000]
 """
@@ -48,7 +48,7 @@ def write_model(folder: Path, tokenizer_from: Path, layers: int, window: int) ->
 def run(folder: Path, grouped: bool, budget_mib: int, streams: int, output: int) -> None:
     original = runner_setup.kv_layout
     if not grouped:  # the one-table layout, as before the groups
-        runner_setup.kv_layout = lambda windows, bucketed: KVLayout.single(len(windows))  # type: ignore[assignment]
+        runner_setup.kv_layout = lambda windows, compiled: KVLayout.single(len(windows))  # type: ignore[assignment]
     try:
         engine = Engine(load_model(folder, torch.float32), EngineConfig(kv_budget_bytes=budget_mib * 2**20))
     finally:

@@ -6,6 +6,7 @@ neither its speed nor its correctness on a device has been checked yet; the buck
 it relies on are unit-tested on the CPU (tests/unit/workers/test_graph_buckets.py), and so is the
 whole protocol with `_EagerReplay` standing in for the capture (tests/unit/workers/test_tensor_parallel.py).
 Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly.
+With layer groups (cache/kv_layout.py) every group has its own static block tables and slots.
 
 Tensor parallel (workers/parallel/model.py): every rank keeps its own graphs of its shard. Before a
 graphed step the leader announces it (`announce_captured_step`: the step's tokens, lengths, tables
@@ -73,20 +74,24 @@ class DecodeGraphs:
         padded = pad_decode_batch(input_ids, meta, bucket, self.dummy_block, self.backend)
         static = captured.meta
         captured.input_ids.copy_(padded.input_ids)
-        static.positions.copy_(padded.meta.positions)
-        static.slot_mapping.copy_(padded.meta.slot_mapping)
+        static.positions.copy_(padded.meta.positions)  # shared by every group's metadata
         static.context_lens.copy_(padded.meta.context_lens)
-        width = padded.meta.block_tables.shape[1]
-        static.block_tables[:, :width].copy_(padded.meta.block_tables)
-        static.block_tables[:, width:] = self.dummy_block
+        for group, step in zip([static, *static.other_groups], [padded.meta, *padded.meta.other_groups], strict=True):
+            group.slot_mapping.copy_(step.slot_mapping)
+            width = step.block_tables.shape[1]
+            group.block_tables[:, :width].copy_(step.block_tables)
+            group.block_tables[:, width:] = self.dummy_block
         captured.graph.replay()
         return captured.logits[: meta.num_seqs][logit_rows]
 
     def _capture(self, bucket: int, ctx: int) -> _Captured:
         device = self.model.device
         block_size = self.kv.block_size
-        tables = torch.full((bucket, ctx // block_size), self.dummy_block, dtype=torch.int32, device=device)
-        meta = PagedAttentionMetadata.from_tables([1] * bucket, [1] * bucket, tables, block_size, self.backend)
+        def dummy_tables() -> torch.Tensor:
+            return torch.full((bucket, ctx // block_size), self.dummy_block, dtype=torch.int32, device=device)
+
+        meta = PagedAttentionMetadata.from_tables([1] * bucket, [1] * bucket, dummy_tables(), block_size, self.backend)
+        meta.other_groups = [meta.with_tables(dummy_tables()) for _ in range(1, self.kv.layout.num_groups)]
         meta.context_lens_list = [ctx] * bucket  # Python-side sizes (the decode grid) fixed at the bucket
         input_ids = torch.zeros(bucket, dtype=torch.long, device=device)
         if device.type != "cuda":  # the stand-in (tests): each replay runs the model on the static buffers

@@ -57,10 +57,17 @@ def pad_decode_batch(
         raise ValueError(f"a bucket of {bucket} cannot hold {batch} sequences")
     pad = bucket - batch
     device = input_ids.device
-    tables = torch.zeros(bucket, meta.block_tables.shape[1], dtype=torch.int32, device=device)
-    tables[:batch] = meta.block_tables
-    tables[batch:, 0] = dummy_block
+
+    def padded_tables(rows: torch.Tensor) -> torch.Tensor:
+        tables = torch.zeros(bucket, rows.shape[1], dtype=torch.int32, device=device)
+        tables[:batch] = rows
+        tables[batch:, 0] = dummy_block
+        return tables
+
     padded = PagedAttentionMetadata.from_tables(
-        [1] * bucket, [*meta.context_lens_list, *([1] * pad)], tables, meta.block_size, backend)
+        [1] * bucket, [*meta.context_lens_list, *([1] * pad)], padded_tables(meta.block_tables), meta.block_size,
+        backend)
+    # Layer groups (cache/kv_layout.py): each group's tables padded alike; the dummy block is a page of any group.
+    padded.other_groups = [padded.with_tables(padded_tables(g.block_tables)) for g in meta.other_groups]
     ids = torch.cat([input_ids, torch.zeros(pad, dtype=input_ids.dtype, device=device)])
     return PaddedDecode(ids, padded, batch)

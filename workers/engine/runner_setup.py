@@ -39,7 +39,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheMana
     # Models whose step syncs with the host (Gemma 2's capped reference attention) say so: not capturable.
     graphs = config.cuda_graphs and model.device.type == "cuda" and model.cuda_graphs_ok
     compiled = config.compile == "decode" and compile_wanted(model, backend, kv_dtype)  # logs when it cannot
-    layout = kv_layout(c.layer_windows, bucketed=graphs or compiled)
+    layout = kv_layout(c.layer_windows, compiled)
     num_blocks = config.num_blocks or max(
         1, config.kv_budget_bytes // KVStorage.bytes_per_block(
             layout.layers_per_page, config.block_size, c.num_kv_heads, c.head_dim, kv_dtype))
@@ -55,12 +55,13 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheMana
     return cache, ModelRunner(model, kv, backend, bucketed)
 
 
-def kv_layout(layer_windows: tuple[int | None, ...], bucketed: bool) -> KVLayout:
-    """The layers' groups (cache/kv_layout.py). Captured or compiled decode steps take one block
-    table, so a model mixing windows then keeps every layer's blocks in one group (nothing is given
-    back early: correct, with less room for long contexts)."""
+def kv_layout(layer_windows: tuple[int | None, ...], compiled: bool) -> KVLayout:
+    """The layers' groups (cache/kv_layout.py). A compiled decode step takes one block table, so a
+    model mixing windows then keeps every layer's blocks in one group (nothing is given back early:
+    correct, with less room for long contexts); only Llama-family layers compile, and they share one
+    window, so this is a guard."""
     layout = KVLayout.for_windows(layer_windows)
-    if layout.num_groups > 1 and bucketed:
-        log.info("one KV block table for all layers: captured/compiled decode steps take one")
+    if layout.num_groups > 1 and compiled:
+        log.info("one KV block table for all layers: the compiled decode step takes one")
         return KVLayout.single(len(layer_windows))
     return layout

@@ -16,7 +16,9 @@ from click.testing import CliRunner
 
 from ops.cli import cli
 from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.engine import Engine
+from workers.engine.runner import ModelRunner
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.loader import load_model
 from workers.paged_step import prefill_logits
@@ -167,6 +169,25 @@ def test_mixed_windows_give_back_the_sliding_layers_pages(family) -> None:
         engine.step()
         engine.check_integrity()
     assert again.cached_len == 20 and again.output_ids == hf_greedy(theirs, prompt + [5, 6], 4)
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+def test_mixed_windows_under_captured_decode_steps(family) -> None:
+    """Decode steps by bucket in DecodeGraphs (its CPU stand-in replays the captured call on the static
+    buffers): every group's tables and slots are static, padding rows use the reserved page, and
+    the sliding groups still give pages back - with transformers' tokens for a batch of 3 (bucket 4)."""
+    _, loaded, theirs = family
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, loaded.model.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 22)]
+    engine = Engine(loaded, EngineConfig(num_blocks=60, block_size=4))
+    layout, backend = engine.runner.kv.layout, engine.runner.backend
+    assert layout.num_groups == 3 and backend is not None
+    kv = loaded.model.allocate_kv(61, 4, layout=layout)  # one more page than the pool hands out: the padding rows'
+    graphs = DecodeGraphs(loaded.model, kv, 60, backend, buckets=(1, 2, 4))
+    engine.runner = ModelRunner(loaded.model, kv, backend, graphs)
+    outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert [s.output_ids for s in outputs] == [hf_greedy(theirs, p, 40) for p in prompts]
+    assert (4, 256) in graphs.graphs and engine.cache.all_free_or_evictable()
 
 
 class OracleDrafter:
