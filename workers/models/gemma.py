@@ -86,11 +86,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.local_rotary = RotaryTable(config.local_rope, config.head_dim, min(config.max_position_embeddings, 4096))
 
     @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata,
-        logit_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As LlamaForCausalLM.forward; sliding layers rotate with the local RoPE table."""
+    def hidden_states(self, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """As LlamaForCausalLM.hidden_states (which `forward` and prompt logprobs call): embeddings
+        scaled by sqrt(hidden), sliding layers rotating with the local RoPE table."""
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         last = meta.max_context_len - 1
@@ -101,9 +99,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             assert isinstance(layer, Gemma3DecoderLayer)
             hidden = layer(hidden, *rotations[layer.is_sliding], kv, meta)
-        if logit_indices is not None:
-            hidden = hidden[logit_indices]
-        return self.logits(hidden)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, tanh-capped when the config says so. As in LlamaForCausalLM.logits, with

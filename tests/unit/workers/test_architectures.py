@@ -190,6 +190,34 @@ def test_mixed_windows_under_captured_decode_steps(family) -> None:
     assert (4, 256) in graphs.graphs and engine.cache.all_free_or_evictable()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"], indirect=True)
+def test_mixed_windows_fork_choices_and_score_prompts(family) -> None:
+    """n = 3 choices fork every group's table (the prompt's partly filled last page copied on write in
+    each group) and each draws as a single request seeded seed + i would; a request scoring its
+    prompt (which computes it whole, `no_match`) gets transformers' prompt logprobs (Gemma's scaled
+    embeddings and local RoPE included: its `hidden_states` once fell back to Llama's)."""
+    _, loaded, theirs = family
+    prompt = torch.randint(3, 1000, (22,), generator=torch.Generator().manual_seed(5)).tolist()
+    engine = Engine(loaded, EngineConfig(num_blocks=80, block_size=4))
+    engine.add_request("multi", prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=500, n=3, ignore_eos=True))
+    engine.step()
+    choices = sorted((s for s in engine.scheduler.running if s.request_id == "multi"), key=lambda s: s.index)
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+    for i, choice in enumerate(choices):
+        single = SamplingParams(max_tokens=20, temperature=1.0, seed=500 + i, ignore_eos=True)
+        [alone] = Engine(loaded, EngineConfig(num_blocks=80, block_size=4)).generate_batch([prompt], single)
+        assert choice.output_ids == alone.output_ids
+    assert len({tuple(c.output_ids) for c in choices}) > 1
+    [scored] = engine.generate_batch([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    with torch.no_grad():
+        expected = torch.log_softmax(theirs(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    wanted = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert scored.prompt_logprobs == pytest.approx(wanted.tolist(), abs=1e-4)  # one per prompt token after the first
+    assert engine.cache.all_free_or_evictable()
+
+
 class OracleDrafter:
     """Drafts the known greedy continuation with its last token wrong: each verification accepts
     some tokens and rolls the rest back (the table truncates), whatever the random model says."""
@@ -205,17 +233,19 @@ class OracleDrafter:
         return []
 
 
-@pytest.mark.parametrize("family", ["phi3-window"], indirect=True)
+@pytest.mark.parametrize("family", ["phi3-window", "gemma3"], indirect=True)
 @pytest.mark.parametrize("regime", ["preempting", "speculative"])
 def test_a_sliding_window_that_gives_blocks_back_keeps_the_tokens(family, regime: str) -> None:
-    """Blocks given back under preemption (a 9-block cache, prompts in chunks of 8: recomputed sequences
-    hit their prompts' blocks and drop again) and under drafts (rejected draft tokens truncate the
-    table): transformers' greedy tokens either way, pool and tree consistent at the end."""
+    """Blocks given back under preemption (a 9-block cache, 30 pages for Gemma 3's three one-layer groups;
+    prompts in chunks of 8: recomputed sequences hit their prompts' blocks and drop again) and under
+    drafts (rejected draft tokens truncate the tables): transformers' greedy tokens either way, pool
+    and tree consistent at the end."""
     _, loaded, theirs = family
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (22,), generator=gen).tolist() for _ in range(3)]
     expected = [hf_greedy(theirs, p, 30) for p in prompts]
-    config = (EngineConfig(num_blocks=9, block_size=4, max_batch_tokens=8) if regime == "preempting" else
+    pages = 30 if loaded.model.config.layer_types else 9
+    config = (EngineConfig(num_blocks=pages, block_size=4, max_batch_tokens=8) if regime == "preempting" else
               EngineConfig(num_blocks=64, block_size=4, speculative="ngram", speculative_timed=False))
     engine = Engine(loaded, config)
     if regime == "speculative":
