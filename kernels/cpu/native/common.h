@@ -44,6 +44,28 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
+// W values of a row of C (fp32, or a 16-bit cache: fp16 by F16C, bf16 by a shift into the high half) as floats.
+template <typename C>
+inline Vec load_vec(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return Vec::loadu(p);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<C, Half>) return Vec(_mm512_cvtph_ps(raw));
+    else return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<C, Half>) return Vec(_mm256_cvtph_ps(raw));
+    else return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+#else
+    alignas(64) float f[W];
+    for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+    return Vec::loadu(f);
+#endif
+  }
+}
+
 // Any n: vector body, scalar tail (c10's BFloat16 and Half round to nearest even, as torch does).
 template <typename T>
 inline void store_floats(const float* src, T* dst, int64_t n) {

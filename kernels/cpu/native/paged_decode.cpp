@@ -5,11 +5,13 @@
 // [G, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches hold
 // C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load.
 //
-// The loops keep their accumulators in registers: scores four tokens at a time per query head (one
-// horizontal reduction for four dot products), the V sum one query head and 2W dims at a time over
-// the tokens; K and V rows are re-read per query head, from L1/L2. The first version copied every
-// row into a buffer and accumulated V through memory: on a 2-core AVX2 host (fp32, batch 32 x 380
-// tokens, 30 layers' caches) this one takes 2/3 of its time (ops/bench/RESULTS.md, issue 21).
+// The loops keep q and their accumulators in registers: scores four tokens at a time per query head (q's
+// D/W vectors loaded once, one horizontal reduction for four dot products), the V sum one query head and
+// up to 8 vectors of the row at a time (one pass over the tokens for D <= 8W); K and V rows are re-read
+// per query head, from L1/L2, and 16-bit rows widen W values per load (F16C, or a shift for bf16). The
+// first version copied every row into a buffer and accumulated V through memory; the second reloaded q
+// per row and swept V 2W dims at a time (D / 2W passes): on a 2-core AVX2 host, 30 scattered layers of
+// batch 32 x 380 tokens, this one took bf16 from 42 to 33 ms and fp32 from 46 to 40 (ops/bench/RESULTS.md).
 //
 // The first query head prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
@@ -19,25 +21,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <tuple>
 #include <vector>
 
 namespace {
 
 using namespace tollway_native;
-
-// Two float vectors (2W values) of a row of C from p; n_valid: W when the row holds fewer than 2W.
-template <typename C>
-inline void load_pair(const C* p, Vec& lo, Vec& hi, int64_t n_valid) {
-  if constexpr (std::is_same_v<C, float>) {
-    lo = Vec::loadu(p);
-    hi = n_valid > W ? Vec::loadu(p + W) : Vec(0.f);
-  } else if (n_valid > W) {
-    std::tie(lo, hi) = at::vec::convert_to_float<C>(at::vec::Vectorized<C>::loadu(p));
-  } else {
-    std::tie(lo, hi) = at::vec::convert_to_float<C>(at::vec::Vectorized<C>::loadu(p, W));
-  }
-}
 
 #if defined(CPU_CAPABILITY_AVX512)
 #define TOLLWAY_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -92,7 +80,9 @@ template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
                        at::Tensor& out) {
-  constexpr int64_t P = D < 2 * W ? W : 2 * W;  // floats per load_pair (the row's values it covers)
+  static_assert(D % W == 0, "whole vectors per row");
+  constexpr int64_t V = D / W;               // vectors per row: q's stay in registers while scoring
+  constexpr int64_t kChunk = V < 8 ? V : 8;  // V-sum accumulators per pass: 8 + a row + p fit AVX2's 16
   const DecodeGeometry geo(q, k_cache, tables, lens, out);
   const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
   const T* qp = q.data_ptr<T>();
@@ -109,6 +99,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
     alignas(64) float qf[D];
     alignas(64) float acc[D];
+    Vec qv[V];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t start = geo.start(b, window);
@@ -127,7 +118,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           }
         }
 #endif
-        if (i < n) load_floats(qp + geo.q_offset(b, h * G + g), qf, D);
+        if (i < n) {
+          load_floats(qp + geo.q_offset(b, h * G + g), qf, D);
+          for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
+        }
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
           if (g == 0) {  // the first head fetches K and V rows kPrefetch tokens ahead (blocks are scattered)
             for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
@@ -137,40 +131,31 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
               }
             }
           }
-          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), lo, hi;
-          for (int64_t d = 0; d < D; d += P) {
-            const Vec q0 = Vec::loadu(qf + d), q1 = P > W ? Vec::loadu(qf + d + W) : Vec(0.f);
-            load_pair(kp + rows[i] + d, lo, hi, P);
-            a0 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a0));
-            load_pair(kp + rows[i + 1] + d, lo, hi, P);
-            a1 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a1));
-            load_pair(kp + rows[i + 2] + d, lo, hi, P);
-            a2 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a2));
-            load_pair(kp + rows[i + 3] + d, lo, hi, P);
-            a3 = at::vec::fmadd(q1, hi, at::vec::fmadd(q0, lo, a3));
+          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+          for (int64_t j = 0; j < V; ++j) {
+            a0 = at::vec::fmadd(qv[j], load_vec(kp + rows[i] + j * W), a0);
+            a1 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 1] + j * W), a1);
+            a2 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 2] + j * W), a2);
+            a3 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 3] + j * W), a3);
           }
           reduce4(a0, a1, a2, a3, s + i);
         }
         for (; i < n; ++i) {
-          Vec a(0.f), lo, hi;
-          for (int64_t d = 0; d < D; d += P) {
-            load_pair(kp + rows[i] + d, lo, hi, P);
-            a = at::vec::fmadd(P > W ? Vec::loadu(qf + d + W) : Vec(0.f), hi, at::vec::fmadd(Vec::loadu(qf + d), lo, a));
-          }
+          Vec a(0.f);
+          for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(qv[j], load_vec(kp + rows[i] + j * W), a);
           s[i] = reduce_add(a);
         }
         const Vec inv(softmax_in_place(s, n, n_padded, fscale));
-        // V sum: 2W dims at a time, accumulated in registers over the tokens
-        for (int64_t d = 0; d < D; d += P) {
-          Vec v0(0.f), v1(0.f), lo, hi;
+        // V sum: kChunk vectors of the row at a time (one pass over the tokens for D <= 8W), in registers
+        for (int64_t d = 0; d < D; d += kChunk * W) {
+          Vec sum[kChunk];
+          for (int64_t j = 0; j < kChunk; ++j) sum[j] = Vec(0.f);
           for (i = 0; i < n; ++i) {
             const Vec p(s[i]);
-            load_pair(vp + rows[i] + d, lo, hi, P);
-            v0 = at::vec::fmadd(p, lo, v0);
-            v1 = at::vec::fmadd(p, hi, v1);
+            const C* row = vp + rows[i] + d;
+            for (int64_t j = 0; j < kChunk; ++j) sum[j] = at::vec::fmadd(p, load_vec(row + j * W), sum[j]);
           }
-          (v0 * inv).store(acc + d);
-          if (P > W) (v1 * inv).store(acc + d + W);
+          for (int64_t j = 0; j < kChunk; ++j) (sum[j] * inv).store(acc + d + j * W);
         }
         store_floats(acc, op + geo.out_offset(b, h * G + g), D);
       }
