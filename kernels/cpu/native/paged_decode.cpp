@@ -50,14 +50,7 @@ TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, const BFloat16* kp, const B
   auto row = [&](int64_t t, int64_t j) { return (__m512bh)_mm512_loadu_si512(kp + rows[t] + 32 * j); };
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    if (prefetch) {
-      for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
-        for (int64_t byte = 0; byte < D * 2; byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
-        }
-      }
-    }
+    if (prefetch) prefetch_ahead(kp, vp, rows, i, n, D * 2);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int64_t j = 0; j < D / 32; ++j) {
@@ -123,14 +116,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
           for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
         }
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
-          if (g == 0) {  // the first head fetches K and V rows kPrefetch tokens ahead (blocks are scattered)
-            for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
-              for (int64_t byte = 0; byte < D * int64_t(sizeof(C)); byte += 64) {
-                __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
-                __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
-              }
-            }
-          }
+          if (g == 0) prefetch_ahead(kp, vp, rows.data(), i, n, D * int64_t(sizeof(C)));
           Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
           for (int64_t j = 0; j < V; ++j) {
             a0 = at::vec::fmadd(qv[j], load_vec(kp + rows[i] + j * W), a0);

@@ -11,6 +11,19 @@ namespace tollway_native {
 constexpr int64_t kMaxGroup = 8;   // query heads per KV head the kernels take
 constexpr int64_t kPrefetch = 16;  // tokens ahead whose K/V rows are prefetched
 
+// Prefetch the K and V rows (row_bytes each) of the four tokens kPrefetch after token i, where they exist:
+// a sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the stream at every block
+// boundary. The kernels call it from their first query head's score loop.
+template <typename C>
+inline void prefetch_ahead(const C* kp, const C* vp, const int64_t* rows, int64_t i, int64_t n, int64_t row_bytes) {
+  for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
+    }
+  }
+}
+
 // Scores s[0, n) scaled by fscale, then softmaxed in place over n_padded lanes (the padding set to
 // exp(-inf) = 0); returns 1 / (sum of the exponentials), which the V sum multiplies by.
 inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscale) {

@@ -47,14 +47,7 @@ void paged_decode_int8_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
-          if (g == 0) {
-            for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
-              for (int64_t byte = 0; byte < D + kScaleBytes; byte += 64) {
-                __builtin_prefetch(kp + rows[t] + byte, 0, 3);
-                __builtin_prefetch(vp + rows[t] + byte, 0, 3);
-              }
-            }
-          }
+          if (g == 0) prefetch_ahead(kp, vp, rows.data(), i, n, D + kScaleBytes);
           Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
           for (int64_t j = 0; j < V; ++j) {
             a0 = at::vec::fmadd(qv[j], load_codes(kp + rows[i] + j * W), a0);
