@@ -37,7 +37,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cache.grouped_table import SequenceTable
 from cache.manager import KVCacheManager
 from workers.engine.admission import POLICIES, AdmissionOrder, Policy, preemption_victim, running_order
 from workers.engine.batch import Fork, ScheduledBatch, StepUpdate, fork_choice
@@ -106,7 +105,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
                 continue
             draft, seq.draft_ids = seq.draft_ids, []  # the engine's proposal, for this step only
-            self._drop_out_of_window(seq.block_table, seq.computed_len)
+            if seq.block_table is not None:  # give back the blocks no query of this step can see
+                seq.block_table.drop_out_of_window(seq.computed_len)
             copies = self._grow_draft(seq, draft, budget)
             if copies is None:
                 draft = []
@@ -149,12 +149,6 @@ class Scheduler:
             budget -= admitted
         return batch.ordered()
 
-    @staticmethod
-    def _drop_out_of_window(table: SequenceTable | None, computed_len: int) -> None:
-        """Give back the blocks no query of the next step can see (BlockTable.drop_out_of_window)."""
-        if table is not None:
-            table.drop_out_of_window(computed_len)
-
     def _grow(self, seq: Sequence, num_new: int, scheduled: set[Sequence]) -> list[tuple[int, int]] | None:
         """Blocks for num_new more tokens, preempting other sequences not in `scheduled` (this step's
         batch) if needed; None if seq lost its place."""
@@ -189,7 +183,7 @@ class Scheduler:
         hit = self.cache.no_match() if recompute else self.cache.match_and_lock(seq.namespace, seq.all_ids,
                                                                                  count=False)
         table, cached = hit.table, hit.cached_len
-        self._drop_out_of_window(table, cached)
+        table.drop_out_of_window(cached)
         num_new = min(seq.total_len - cached, budget)
         copies = self.cache.try_grow(table, num_new)
         if copies is None:
