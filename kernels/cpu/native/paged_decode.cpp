@@ -2,16 +2,17 @@
 //
 // One task per (sequence, KV head): its G query heads read that head's K and V rows in place through
 // the block table (no gather, no copy). Scores for the whole context live in a per-thread buffer
-// [G, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches hold
-// C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load.
+// [heads per pass, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches
+// hold C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load.
 //
-// The loops keep q and their accumulators in registers: scores four tokens at a time per query head (q's
-// D/W vectors loaded once, one horizontal reduction for four dot products), the V sum one query head and
-// up to 8 vectors of the row at a time (one pass over the tokens for D <= 8W); K and V rows are re-read
-// per query head, from L1/L2, and 16-bit rows widen W values per load (F16C, or a shift for bf16). The
-// first version copied every row into a buffer and accumulated V through memory; the second reloaded q
-// per row and swept V 2W dims at a time (D / 2W passes): on a 2-core AVX2 host, 30 scattered layers of
-// batch 32 x 380 tokens, this one took bf16 from 42 to 33 ms and fp32 from 46 to 40 (ops/bench/RESULTS.md).
+// The query heads go in passes of up to kHeadsPerPass (AVX512: 4; AVX2: 1, whose 16 registers hold one
+// head's q and sums): a pass reads each K row once for its heads (four tokens at a time, one horizontal
+// reduction per head and four dot products) and each V row once, its heads' sums in registers (one pass
+// over the tokens for D <= 8W). 16-bit rows widen W values per load (F16C, or a shift for bf16). Earlier
+// versions: rows copied into a buffer and V accumulated through memory; then q reloaded per row and V
+// swept 2W dims at a time; then one head per pass (AVX2 still). One pass for the 3 heads of the default
+// model took the op's compute (30 layers, batch 32 x 380 tokens, cache hot) from 9.6 to 6.6 ms in bf16 and
+// 15.5 to 10.1 ms in fp32 on a 2-core AVX512 host (ops/bench/RESULTS.md).
 //
 // The first query head prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
@@ -27,6 +28,74 @@ namespace {
 
 using namespace tollway_native;
 
+// Query heads of one KV head that share a pass over its rows, and the vector registers the loops may fill.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kHeadsPerPass = 4, kRegisters = 32;
+#else
+constexpr int64_t kHeadsPerPass = 1, kRegisters = 16;
+#endif
+
+// Vectors of a V row summed per pass over the tokens for NG heads: NG accumulators per vector, NG
+// probabilities and the row's vector must fit the registers (one pass for D <= 8W with few heads).
+template <int64_t V, int64_t NG>
+constexpr int64_t value_chunk() {
+  int64_t k = V;
+  while (k > 1 && NG * k + NG + 1 > kRegisters) k /= 2;
+  return k;
+}
+
+// One (sequence, KV head) task's view of its rows: the context's n row offsets into the caches, and the
+// scores buffer (a row of L floats per query head of the pass).
+template <typename C>
+struct TaskRows {
+  const C* kp;
+  const C* vp;
+  const int64_t* rows;
+  int64_t n;
+  float* s;
+  int64_t L;
+  bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
+};
+
+// Scores of NG query heads (qf: [NG][D] floats) against the task's K rows: each row is read once for the
+// NG heads, four tokens at a time with one reduction per head.
+template <typename C, int64_t D, int64_t NG>
+void scores_float(const float* qf, TaskRows<C> t) {
+  constexpr int64_t V = D / W;
+  Vec q[NG][V];  // in registers where they fit (AVX2: one head's 8 vectors), else spilled once
+  for (int64_t g = 0; g < NG; ++g) {
+    for (int64_t j = 0; j < V; ++j) q[g][j] = Vec::loadu(qf + g * D + j * W);
+  }
+  int64_t i = 0;
+  for (; i + 4 <= t.n; i += 4) {
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * int64_t(sizeof(C)));
+    Vec a[NG][4];
+    for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = Vec(0.f);
+    const C* k0 = t.kp + t.rows[i];
+    const C* k1 = t.kp + t.rows[i + 1];
+    const C* k2 = t.kp + t.rows[i + 2];
+    const C* k3 = t.kp + t.rows[i + 3];
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < V; ++j) {
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < NG; ++g) {  // the loads repeat per head: L1 hits, and fp32 ones fold into the FMA
+        a[g][0] = at::vec::fmadd(q[g][j], load_vec(k0 + j * W), a[g][0]);
+        a[g][1] = at::vec::fmadd(q[g][j], load_vec(k1 + j * W), a[g][1]);
+        a[g][2] = at::vec::fmadd(q[g][j], load_vec(k2 + j * W), a[g][2]);
+        a[g][3] = at::vec::fmadd(q[g][j], load_vec(k3 + j * W), a[g][3]);
+      }
+    }
+    for (int64_t g = 0; g < NG; ++g) reduce4(a[g][0], a[g][1], a[g][2], a[g][3], t.s + g * t.L + i);
+  }
+  for (; i < t.n; ++i) {
+    for (int64_t g = 0; g < NG; ++g) {
+      Vec a(0.f);
+      for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(q[g][j], load_vec(t.kp + t.rows[i] + j * W), a);
+      t.s[g * t.L + i] = reduce_add(a);
+    }
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 #define TOLLWAY_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -37,45 +106,102 @@ bool bf16_dot_available() {
   return available;
 }
 
-// The scores q . k of n context tokens of one head, bf16 q against a bf16 cache, with AVX512-BF16 dot
-// products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs into 16 fp32 lanes,
-// replacing the widening of every K row to fp32 and its two multiply-adds. `prefetch`: fetch the K and
-// V rows kPrefetch tokens ahead, as the generic loop's first query head does.
-template <int64_t D>
-TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, const BFloat16* kp, const BFloat16* vp, const int64_t* rows,
-                                  int64_t n, float* s, bool prefetch) {
+// The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
+// with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs
+// into 16 fp32 lanes, replacing the widening of every K row to fp32 and its two multiply-adds.
+template <int64_t D, int64_t NG>
+TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t) {
   static_assert(D % 32 == 0, "32 bf16 values per vector");
-  __m512bh qv[D / 32];
-  for (int64_t j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
-  auto row = [&](int64_t t, int64_t j) { return (__m512bh)_mm512_loadu_si512(kp + rows[t] + 32 * j); };
+  auto row = [&](int64_t token, int64_t j) { return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + 32 * j); };
+  auto query = [&](int64_t g, int64_t j) { return (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * j); };
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    if (prefetch) prefetch_ahead(kp, vp, rows, i, n, D * 2);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; i + 4 <= t.n; i += 4) {
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * 2);
+    __m512 a[NG][4];
+    for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int64_t j = 0; j < D / 32; ++j) {
-      a0 = _mm512_dpbf16_ps(a0, qv[j], row(i, j));
-      a1 = _mm512_dpbf16_ps(a1, qv[j], row(i + 1, j));
-      a2 = _mm512_dpbf16_ps(a2, qv[j], row(i + 2, j));
-      a3 = _mm512_dpbf16_ps(a3, qv[j], row(i + 3, j));
+      const __m512bh k0 = row(i, j), k1 = row(i + 1, j), k2 = row(i + 2, j), k3 = row(i + 3, j);
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < NG; ++g) {
+        const __m512bh qv = query(g, j);
+        a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
+        a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
+        a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
+        a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+      }
     }
-    reduce4(Vec(a0), Vec(a1), Vec(a2), Vec(a3), s + i);
+    for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), t.s + g * t.L + i);
   }
-  for (; i < n; ++i) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, qv[j], row(i, j));
-    s[i] = _mm512_reduce_add_ps(a);
+  for (; i < t.n; ++i) {
+    for (int64_t g = 0; g < NG; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, query(g, j), row(i, j));
+      t.s[g * t.L + i] = _mm512_reduce_add_ps(a);
+    }
   }
 }
 #endif
+
+// out[g] = sum_i p_g[i] v_i * inv[g] for the NG heads of a pass (probabilities in t.s): each V row is read
+// once for the NG heads, value_chunk vectors of it per pass over the tokens, the sums in registers.
+template <typename C, int64_t D, int64_t NG>
+void value_sum(TaskRows<C> t, const float* inv, float* acc) {
+  constexpr int64_t V = D / W, K = value_chunk<V, NG>();
+  for (int64_t d = 0; d < D; d += K * W) {
+    Vec sum[NG][K];
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t j = 0; j < K; ++j) sum[g][j] = Vec(0.f);
+    }
+    for (int64_t i = 0; i < t.n; ++i) {
+      Vec p[NG];
+      for (int64_t g = 0; g < NG; ++g) p[g] = Vec(t.s[g * t.L + i]);
+      const C* row = t.vp + t.rows[i] + d;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < K; ++j) {
+        const Vec v = load_vec(row + j * W);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < NG; ++g) sum[g][j] = at::vec::fmadd(p[g], v, sum[g][j]);
+      }
+    }
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t j = 0; j < K; ++j) (sum[g][j] * Vec(inv[g])).store(acc + g * D + d + j * W);
+    }
+  }
+}
+
+// Query heads g0 .. g0 + NG of the task's KV head (b, h): scores, softmax, V sum, stored into out.
+template <typename T, typename C, int64_t D, int64_t NG>
+void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_t h, int64_t g0, float fscale,
+                TaskRows<C> t) {
+  const int64_t first = h * geo.G + g0;  // the pass's first query head
+  bool scored = false;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
+    if (bf16_dot_available()) {
+      scores_bf16<D, NG>(qp + geo.q_offset(b, first), geo.qs1, t);
+      scored = true;
+    }
+  }
+#endif
+  if (!scored) {
+    alignas(64) float qf[NG * D];
+    for (int64_t g = 0; g < NG; ++g) load_floats(qp + geo.q_offset(b, first + g), qf + g * D, D);
+    scores_float<C, D, NG>(qf, t);
+  }
+  const int64_t n_padded = (t.n + W - 1) / W * W;
+  float inv[NG];
+  for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place(t.s + g * t.L, t.n, n_padded, fscale);
+  alignas(64) float acc[NG * D];
+  value_sum<C, D, NG>(t, inv, acc);
+  for (int64_t g = 0; g < NG; ++g) store_floats(acc + g * D, op + geo.out_offset(b, first + g), D);
+}
 
 template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
                        at::Tensor& out) {
   static_assert(D % W == 0, "whole vectors per row");
-  constexpr int64_t V = D / W;               // vectors per row: q's stay in registers while scoring
-  constexpr int64_t kChunk = V < 8 ? V : 8;  // V-sum accumulators per pass: 8 + a row + p fit AVX2's 16
   const DecodeGeometry geo(q, k_cache, tables, lens, out);
   const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
   const T* qp = q.data_ptr<T>();
@@ -83,67 +209,24 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-#if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dot = bf16_dot_available();  // bf16 q and cache: the scores as bf16 dot products
-#endif
 
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * L);
+    std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
-    alignas(64) float qf[D];
-    alignas(64) float acc[D];
-    Vec qv[V];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t start = geo.start(b, window);
-      const int64_t n = geo.lens[b] - start, n_padded = (n + W - 1) / W * W;
-      for (int64_t i = 0; i < n; ++i) {
-        rows[i] = geo.row(b, start + i, h);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * L;
-        int64_t i = 0;
+      const int64_t start = geo.start(b, window), n = geo.lens[b] - start;
+      geo.fill_rows(b, h, start, n, rows.data());
+      for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
+        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0};
+        switch (std::min(kHeadsPerPass, G - g0)) {
+          case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
 #if defined(CPU_CAPABILITY_AVX512)
-        if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-          if (bf16_dot) {
-            scores_bf16<D>(qp + geo.q_offset(b, h * G + g), kp, vp, rows.data(), n, s, g == 0);
-            i = n;  // every score done: on to the softmax
-          }
-        }
+          case 2: heads_pass<T, C, D, 2>(geo, qp, op, b, h, g0, fscale, t); break;
+          case 3: heads_pass<T, C, D, 3>(geo, qp, op, b, h, g0, fscale, t); break;
+          case 4: heads_pass<T, C, D, 4>(geo, qp, op, b, h, g0, fscale, t); break;
 #endif
-        if (i < n) {
-          load_floats(qp + geo.q_offset(b, h * G + g), qf, D);
-          for (int64_t j = 0; j < V; ++j) qv[j] = Vec::loadu(qf + j * W);
         }
-        for (; i + 4 <= n; i += 4) {  // four dot products, one reduction
-          if (g == 0) prefetch_ahead(kp, vp, rows.data(), i, n, D * int64_t(sizeof(C)));
-          Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-          for (int64_t j = 0; j < V; ++j) {
-            a0 = at::vec::fmadd(qv[j], load_vec(kp + rows[i] + j * W), a0);
-            a1 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 1] + j * W), a1);
-            a2 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 2] + j * W), a2);
-            a3 = at::vec::fmadd(qv[j], load_vec(kp + rows[i + 3] + j * W), a3);
-          }
-          reduce4(a0, a1, a2, a3, s + i);
-        }
-        for (; i < n; ++i) {
-          Vec a(0.f);
-          for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(qv[j], load_vec(kp + rows[i] + j * W), a);
-          s[i] = reduce_add(a);
-        }
-        const Vec inv(softmax_in_place(s, n, n_padded, fscale));
-        // V sum: kChunk vectors of the row at a time (one pass over the tokens for D <= 8W), in registers
-        for (int64_t d = 0; d < D; d += kChunk * W) {
-          Vec sum[kChunk];
-          for (int64_t j = 0; j < kChunk; ++j) sum[j] = Vec(0.f);
-          for (i = 0; i < n; ++i) {
-            const Vec p(s[i]);
-            const C* row = vp + rows[i] + d;
-            for (int64_t j = 0; j < kChunk; ++j) sum[j] = at::vec::fmadd(p, load_vec(row + j * W), sum[j]);
-          }
-          for (int64_t j = 0; j < kChunk; ++j) (sum[j] * inv).store(acc + d + j * W);
-        }
-        store_floats(acc, op + geo.out_offset(b, h * G + g), D);
       }
     }
   });

@@ -79,9 +79,13 @@ struct DecodeGeometry {
   }
   // The first token sequence b attends to (where its window starts; 0 without one).
   int64_t start(int64_t b, int64_t window) const { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; }
-  // The offset, in cache elements, of token t's row for KV head h of sequence b.
-  int64_t row(int64_t b, int64_t t, int64_t h) const {
-    return int64_t(tables[b * ts0 + t / BS]) * cs0 + (t % BS) * cs1 + h * cs2;
+  // rows[i] = the offset, in cache elements, of token start + i's row for KV head h of sequence b, for
+  // i < n; a block at a time (no division per token).
+  void fill_rows(int64_t b, int64_t h, int64_t start, int64_t n, int64_t* rows) const {
+    for (int64_t t = start, i = 0; i < n;) {
+      const int64_t base = int64_t(tables[b * ts0 + t / BS]) * cs0 + h * cs2;
+      for (int64_t offset = t % BS; offset < BS && i < n; ++offset, ++t, ++i) rows[i] = base + offset * cs1;
+    }
   }
   int64_t q_offset(int64_t b, int64_t head) const { return b * qs0 + head * qs1; }
   int64_t out_offset(int64_t b, int64_t head) const { return b * os0 + head * os1; }

@@ -35,8 +35,8 @@ void paged_decode_int8_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t start = geo.start(b, window);
       const int64_t n = geo.lens[b] - start, n_padded = (n + W - 1) / W * W;
+      geo.fill_rows(b, h, start, n, rows.data());
       for (int64_t i = 0; i < n; ++i) {
-        rows[i] = geo.row(b, start + i, h);
         k_scales[i] = row_scale(kp + rows[i], D);
         v_scales[i] = row_scale(vp + rows[i], D);
       }
