@@ -1,4 +1,4 @@
-"""The native CPU backend: C++ ops (`paged_decode.cpp` and `paged_decode_int8.cpp`, `layer_ops.cpp`,
+"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`,
 `quantized_matmul.cpp` and `quantized_vnni.cpp`, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
 read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 

@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "tollway_cpu.cpp", "paged_decode.cpp", "paged_decode_int8.cpp", "layer_ops.cpp", "quantized_matmul.cpp",
+    "tollway_cpu.cpp", "paged_decode.cpp", "layer_ops.cpp", "quantized_matmul.cpp",
     "quantized_vnni.cpp"))
 """Compiled together into one library (`tollway_cpu.cpp` defines it, the others add their ops): the decode
 step's attention and small fused ops, and the weight-only quantized matmuls (the VNNI ones compiled for that

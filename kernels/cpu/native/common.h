@@ -44,11 +44,16 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
-// W values of a row of C (fp32, or a 16-bit cache: fp16 by F16C, bf16 by a shift into the high half) as floats.
+// W values of a row of C (fp32, or a 16-bit cache: fp16 by F16C, bf16 by a shift into the high half, or
+// int8 codes) as floats.
+inline Vec load_codes(const int8_t* p);
+
 template <typename C>
 inline Vec load_vec(const C* p) {
   if constexpr (std::is_same_v<C, float>) {
     return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<C, int8_t>) {
+    return load_codes(p);  // an int8 cache row's codes (the row's scale is applied by the caller)
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

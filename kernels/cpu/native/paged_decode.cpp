@@ -3,7 +3,9 @@
 // One task per (sequence, KV head): its G query heads read that head's K and V rows in place through
 // the block table (no gather, no copy). Scores for the whole context live in a per-thread buffer
 // [heads per pass, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches
-// hold C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load.
+// hold C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load,
+// or int8 rows (kernels/kv_int8.py: D codes, then the row's fp32 scale), whose scale is applied once per
+// row: to the score after the dot product, to the probability before the V sum (D + 4 bytes read per row).
 //
 // The query heads go in passes of up to kHeadsPerPass (AVX512: 4; AVX2: 1, whose 16 registers hold one
 // head's q and sums): a pass reads each K row once for its heads (four tokens at a time, one horizontal
@@ -55,7 +57,15 @@ struct TaskRows {
   float* s;
   int64_t L;
   bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
+  const float* k_scales;  // int8 caches: each row's scale (else null)
+  const float* v_scales;
 };
+
+// Bytes of a cache row of D values of C: int8 rows carry their fp32 scale after the codes.
+template <typename C, int64_t D>
+constexpr int64_t row_bytes() {
+  return D * int64_t(sizeof(C)) + (std::is_same_v<C, int8_t> ? kScaleBytes : 0);
+}
 
 // Scores of NG query heads (qf: [NG][D] floats) against the task's K rows: each row is read once for the
 // NG heads, four tokens at a time with one reduction per head.
@@ -68,7 +78,7 @@ void scores_float(const float* qf, TaskRows<C> t) {
   }
   int64_t i = 0;
   for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * int64_t(sizeof(C)));
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, row_bytes<C, D>());
     Vec a[NG][4];
     for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = Vec(0.f);
     const C* k0 = t.kp + t.rows[i];
@@ -189,9 +199,19 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
     for (int64_t g = 0; g < NG; ++g) load_floats(qp + geo.q_offset(b, first + g), qf + g * D, D);
     scores_float<C, D, NG>(qf, t);
   }
+  if constexpr (std::is_same_v<C, int8_t>) {  // the dot products were of K's codes: scale them
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t i = 0; i < t.n; ++i) t.s[g * t.L + i] *= t.k_scales[i];
+    }
+  }
   const int64_t n_padded = (t.n + W - 1) / W * W;
   float inv[NG];
   for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place(t.s + g * t.L, t.n, n_padded, fscale);
+  if constexpr (std::is_same_v<C, int8_t>) {  // the V sum reads codes: fold each row's scale into p
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t i = 0; i < t.n; ++i) t.s[g * t.L + i] *= t.v_scales[i];
+    }
+  }
   alignas(64) float acc[NG * D];
   value_sum<C, D, NG>(t, inv, acc);
   for (int64_t g = 0; g < NG; ++g) store_floats(acc + g * D, op + geo.out_offset(b, first + g), D);
@@ -213,12 +233,20 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
+    constexpr bool int8_cache = std::is_same_v<C, int8_t>;
+    std::vector<float> k_scales(int8_cache ? L : 0), v_scales(int8_cache ? L : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t start = geo.start(b, window), n = geo.lens[b] - start;
       geo.fill_rows(b, h, start, n, rows.data());
+      if constexpr (int8_cache) {
+        for (int64_t i = 0; i < n; ++i) {
+          k_scales[i] = row_scale(kp + rows[i], D);
+          v_scales[i] = row_scale(vp + rows[i], D);
+        }
+      }
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0};
+        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, k_scales.data(), v_scales.data()};
         switch (std::min(kHeadsPerPass, G - g0)) {
           case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -263,8 +291,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const at::ScalarType cache = k_cache.scalar_type();
-  if (int8_cache) {
-    paged_decode_int8(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  if (int8_cache && q.scalar_type() == at::kFloat) {
+    paged_decode_dispatch_dim<float, int8_t>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  } else if (int8_cache) {
+    paged_decode_dispatch_dim<BFloat16, int8_t>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   } else if (q.scalar_type() == at::kFloat && cache == at::kFloat) {
     paged_decode_dispatch_dim<float, float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   } else if (q.scalar_type() == at::kFloat && cache == at::kHalf) {

@@ -1,5 +1,5 @@
-// What the two paged_decode kernels share (paged_decode.cpp: fp32/bf16/fp16 caches; paged_decode_int8.cpp:
-// int8 caches): the argument geometry, the softmax over a row of scores and the four-way reduction.
+// What paged_decode.cpp's kernel (fp32/bf16/fp16 and int8 caches) is built from: the argument geometry,
+// the prefetch, the softmax over a row of scores and the four-way reduction.
 #pragma once
 
 #include "common.h"
@@ -90,9 +90,5 @@ struct DecodeGeometry {
   int64_t q_offset(int64_t b, int64_t head) const { return b * qs0 + head * qs1; }
   int64_t out_offset(int64_t b, int64_t head) const { return b * os0 + head * os1; }
 };
-
-// paged_decode over an int8 cache (paged_decode_int8.cpp), q fp32 or bf16; out shaped and typed as q.
-void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window, at::Tensor& out);
 
 }  // namespace tollway_native

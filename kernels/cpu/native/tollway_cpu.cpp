@@ -8,7 +8,7 @@
 // Every op computes in fp32 and rounds to the tensor dtype (fp32 or bf16) where torch's eager ops
 // of the Python path round, so fp32 results match that path to the last bits or nearly.
 //
-// The ops live in paged_decode.cpp (+ paged_decode_int8.cpp), layer_ops.cpp, quantized_matmul.cpp and
+// The ops live in paged_decode.cpp, layer_ops.cpp, quantized_matmul.cpp and
 // quantized_vnni.cpp, each registering its own as a fragment of the library this file defines.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
