@@ -18,6 +18,7 @@ from tests.required import unavailable
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models import fused_decode
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.packed_linear import PackedLinear, pack_linears, packing_kind
 from workers.paged_step import run_step
@@ -35,7 +36,7 @@ def prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 64)]
 
 
-@pytest.mark.parametrize(
+MODELS = pytest.mark.parametrize(
     ("model_type", "dtype", "overrides"),
     [
         ("llama", torch.float32, {}),
@@ -46,13 +47,20 @@ def prompts(seed: int) -> list[list[int]]:
     ],
     ids=["llama-fp32", "llama-bf16", "qwen2-bias", "mistral-window", "group-8"],
 )
-def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
-                                      overrides: dict[str, int]) -> None:
+
+
+def tiny_model(tmp_path: Path, model_type: str, dtype: torch.dtype, overrides: dict[str, int]) -> LlamaForCausalLM:
     from workers.models.tiny import write_tiny_model_folder
 
     if "head_dim" in overrides:
         overrides = {**overrides, "hidden_size": overrides["head_dim"] * overrides["num_attention_heads"]}
-    model = load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
+    return load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
+
+
+@MODELS
+def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
+                                      overrides: dict[str, int]) -> None:
+    model = tiny_model(tmp_path, model_type, dtype, overrides)
     block_size = 8
     pool = BlockPool(64, block_size)
     kv = model.allocate_kv(pool.num_blocks, block_size)
@@ -79,6 +87,44 @@ def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: to
     close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
     torch.testing.assert_close(fused, eager, **close)
     assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
+        torch.testing.assert_close(a, b, **close)
+
+
+@MODELS
+def test_mixed_step_on_native_ops_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
+                                                    overrides: dict[str, int]) -> None:
+    """A step of decodes, a prompt's second chunk (over its cached first chunk) and a fresh prompt runs
+    the native ops (`step_hidden`) and gives every token the eager step's logits and K/V."""
+    model = tiny_model(tmp_path, model_type, dtype, overrides)
+    block_size = 8
+    pool = BlockPool(64, block_size)
+    kv = model.allocate_kv(pool.num_blocks, block_size)
+    batch = prompts(4)
+    tables = [BlockTable(pool) for _ in batch]
+    first = [*batch[:3], batch[4][:30]]  # three prompts done, the fifth's first chunk
+    run_step(model, kv, tables[:3] + tables[4:], first, backend="cpu")
+    new = [[5], [9], [17], batch[4][30:], batch[3]]  # decodes first, then the extends
+    order = [*tables[:3], tables[4], tables[3]]
+    for table, tokens in zip(order, new, strict=True):
+        table.append(len(tokens))
+    input_ids = torch.tensor([t for tokens in new for t in tokens])
+    results = []
+    for backend in ("cpu", "native"):
+        if backend == "native":
+            pack_linears(model)
+        step_kv = model.allocate_kv(pool.num_blocks, block_size)
+        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
+            dst.copy_(src)
+        meta = PagedAttentionMetadata.build([len(t) for t in new], [t.num_tokens for t in order],
+                                            [t.block_ids for t in order], block_size, backend=backend)
+        assert meta.num_decodes == 3
+        assert fused_decode.can_fuse_layers(model, meta) == (backend == "native")
+        results.append((model(input_ids, step_kv, meta), step_kv))
+    (eager, eager_kv), (fused, fused_kv) = results
+    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(fused, eager, **close)
+    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.95)
     for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
         torch.testing.assert_close(a, b, **close)
 
