@@ -12,6 +12,7 @@ import torch
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
+from cache.kv_storage import KVStorage
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import unavailable
@@ -57,6 +58,35 @@ def tiny_model(tmp_path: Path, model_type: str, dtype: torch.dtype, overrides: d
     return load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
 
 
+def assert_native_step_equals_eager(model: LlamaForCausalLM, kv: KVStorage, tables: list[BlockTable],
+                                    new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+    """Run one step of `new_tokens` (already appended to `tables`) on the `cpu` backend (eager layers) and
+    on `native` (the fused ops), each from a copy of `kv`: same logits for every token (fp32 within 1e-4;
+    bf16 within bf16 rounding), the same argmax, the same K/V written."""
+    input_ids = torch.tensor([t for tokens in new_tokens for t in tokens])
+    results = []
+    for backend in ("cpu", "native"):
+        if backend == "native":
+            # packed where this CPU has a packed GEMM for the dtype (bf16 needs AVX512-BF16/AMX); else plain
+            packs = packing_kind(dtype) is not None
+            assert pack_linears(model) == packs and isinstance(model.lm_head, PackedLinear) == packs
+        step_kv = model.allocate_kv(kv.num_blocks, kv.block_size)
+        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
+            dst.copy_(src)
+        meta = PagedAttentionMetadata.build([len(t) for t in new_tokens], [t.num_tokens for t in tables],
+                                            [t.block_ids for t in tables], kv.block_size, backend=backend)
+        all_decode = meta.num_decodes == meta.num_seqs
+        assert fused_decode.can_fuse_layers(model, meta) == (backend == "native")
+        assert fused_decode.can_fuse(model, meta) == (backend == "native" and all_decode)
+        results.append((model(input_ids, step_kv, meta), step_kv))
+    (eager, eager_kv), (fused, fused_kv) = results
+    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(fused, eager, **close)
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
+        torch.testing.assert_close(a, b, **close)
+
+
 @MODELS
 def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
                                       overrides: dict[str, int]) -> None:
@@ -69,26 +99,7 @@ def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: to
     run_step(model, kv, tables, batch, backend="cpu")  # prefill
     for table in tables:
         table.append(1)
-    new_tokens = torch.tensor([5, 9, 17, 33, 65])
-    results = []
-    for backend in ("cpu", "native"):
-        if backend == "native":
-            # packed where this CPU has a packed GEMM for the dtype (bf16 needs AVX512-BF16/AMX); else plain
-            packs = packing_kind(dtype) is not None
-            assert pack_linears(model) == packs and isinstance(model.lm_head, PackedLinear) == packs
-        step_kv = model.allocate_kv(pool.num_blocks, block_size)
-        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
-            dst.copy_(src)
-        meta = PagedAttentionMetadata.build([1] * len(batch), [t.num_tokens for t in tables],
-                                            [t.block_ids for t in tables], block_size, backend=backend)
-        assert fused_decode.can_fuse(model, meta) == (backend == "native")
-        results.append((model(new_tokens, step_kv, meta), step_kv))
-    (eager, eager_kv), (fused, fused_kv) = results
-    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
-    torch.testing.assert_close(fused, eager, **close)
-    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
-    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
-        torch.testing.assert_close(a, b, **close)
+    assert_native_step_equals_eager(model, kv, tables, [[5], [9], [17], [33], [65]], dtype)
 
 
 @MODELS
@@ -108,25 +119,7 @@ def test_mixed_step_on_native_ops_equals_eager_step(tmp_path: Path, model_type: 
     order = [*tables[:3], tables[4], tables[3]]
     for table, tokens in zip(order, new, strict=True):
         table.append(len(tokens))
-    input_ids = torch.tensor([t for tokens in new for t in tokens])
-    results = []
-    for backend in ("cpu", "native"):
-        if backend == "native":
-            pack_linears(model)
-        step_kv = model.allocate_kv(pool.num_blocks, block_size)
-        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
-            dst.copy_(src)
-        meta = PagedAttentionMetadata.build([len(t) for t in new], [t.num_tokens for t in order],
-                                            [t.block_ids for t in order], block_size, backend=backend)
-        assert meta.num_decodes == 3
-        assert fused_decode.can_fuse_layers(model, meta) == (backend == "native")
-        results.append((model(input_ids, step_kv, meta), step_kv))
-    (eager, eager_kv), (fused, fused_kv) = results
-    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
-    torch.testing.assert_close(fused, eager, **close)
-    assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.95)
-    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
-        torch.testing.assert_close(a, b, **close)
+    assert_native_step_equals_eager(model, kv, order, new, dtype)
 
 
 def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
