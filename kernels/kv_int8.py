@@ -9,7 +9,7 @@ parallel shards and every kernel signature stay as they are for the other cache 
 
 The torch paths (`kernels.cpu`, `kernels.reference`) gather rows and widen them with `widen`; the native
 CPU ops quantize in `rotary_store` (kernels/cpu/native/layer_ops.cpp) and read the codes in place in
-`paged_decode` (paged_decode_int8.cpp), with the same arithmetic in fp32 as `quantize` (so a row is stored identically by either,
+`paged_decode` (paged_decode.cpp), with the same arithmetic in fp32 as `quantize` (so a row is stored identically by either,
 and a prefix hit reads what a cold prompt wrote). On CUDA the Triton kernels do the same: `store_kv` quantizes
 as `quantize` does (kernels/triton/store.py), decode and extend dequantize each tile in fp32, then to q's dtype.
 """
