@@ -44,10 +44,46 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
+// ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
+// A row of one token and head: D int8 codes, then the fp32 scale s (4 bytes); value = code * s.
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+
+// W codes from p as floats.
+inline Vec load_codes(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[W];
+  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// x (D values of T) into an int8 row: s = max|x| / 127, codes round(x / s) (to nearest even, as torch.round),
+// computed in fp32 exactly as kv_int8.quantize does, so either path stores the same bytes.
+template <typename T>
+inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float code = std::nearbyint(static_cast<float>(x[i]) * inverse);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
 // W values of a row of C (fp32, or a 16-bit cache: fp16 by F16C, bf16 by a shift into the high half, or
 // int8 codes) as floats.
-inline Vec load_codes(const int8_t* p);
-
 template <typename C>
 inline Vec load_vec(const C* p) {
   if constexpr (std::is_same_v<C, float>) {
@@ -101,44 +137,6 @@ inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
   if (cache == at::kChar) return compute == at::kFloat || compute == at::kBFloat16;
   if (compute == at::kFloat) return cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16;
   return compute == at::kBFloat16 && cache == at::kBFloat16;
-}
-
-// ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
-// A row of one token and head: D int8 codes, then the fp32 scale s (4 bytes); value = code * s.
-constexpr int64_t kScaleBytes = 4;
-
-inline float row_scale(const int8_t* row, int64_t D) {
-  float s;
-  std::memcpy(&s, row + D, sizeof(float));
-  return s;
-}
-
-// W codes from p as floats.
-inline Vec load_codes(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  alignas(64) float f[W];
-  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
-#endif
-}
-
-// x (D values of T) into an int8 row: s = max|x| / 127, codes round(x / s) (to nearest even, as torch.round),
-// computed in fp32 exactly as kv_int8.quantize does, so either path stores the same bytes.
-template <typename T>
-inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
-  const float scale = amax / 127.f;
-  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
-  for (int64_t i = 0; i < D; ++i) {
-    const float code = std::nearbyint(static_cast<float>(x[i]) * inverse);
-    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
-  }
-  std::memcpy(dst + D, &scale, sizeof(float));
 }
 
 }  // namespace tollway_native

@@ -16,7 +16,7 @@
 // model took the op's compute (30 layers, batch 32 x 380 tokens, cache hot) from 9.6 to 6.6 ms in bf16 and
 // 15.5 to 10.1 ms in fp32 on a 2-core AVX512 host (ops/bench/RESULTS.md).
 //
-// The first query head prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
+// A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
 // AVX512 host this took the op over 30 scattered layers from 68 to 44 ms in bf16 (ops/bench/paged_decode.py).
 #include "paged_decode.h"
