@@ -55,12 +55,14 @@ def main() -> None:
             t.append(1 + args.k)  # room for the draft; every step below rewrites the same slots
         padded = PagedAttentionMetadata.build([1 + args.k] * seqs, [c + 1 + args.k for c in computed],
                                               [t.block_ids for t in tables], block_size, backend="native")
-        extend = padded
+        # the eager layers (backend `cpu`: the same extend attention; `native` would now fuse the small ops)
+        extend = PagedAttentionMetadata.build([1 + args.k] * seqs, [c + 1 + args.k for c in computed],
+                                              [t.block_ids for t in tables], block_size, backend="cpu")
         rows = decode_rows.expand([1 + args.k] * seqs, computed, padded.block_tables, block_size, "native")
         plain = PagedAttentionMetadata.build([1] * seqs, [c + 1 for c in computed], [t.block_ids for t in tables],
                                              block_size, backend="native")
         assert fused_decode.can_fuse(model, rows) and fused_decode.can_fuse(model, plain)
-        assert not fused_decode.can_fuse(model, extend)
+        assert not fused_decode.can_fuse_layers(model, extend)
         tokens = torch.randint(3, 40000, (seqs * (1 + args.k),), generator=gen)
         cases = {"decode": (tokens[:seqs], plain, None), "fused": (tokens, rows, None), "extend": (tokens, extend, None)}
         times: dict[str, list[float]] = {name: [] for name in cases}

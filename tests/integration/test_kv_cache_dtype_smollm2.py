@@ -1,7 +1,15 @@
 """The default model in fp32 with a float16 or an int8 KV cache (`TOLLWAY_KV_CACHE_DTYPE`): in every
 scheduling regime its greedy tokens are fp32's argmax (teacher forced on the engine's own output) at >= 98%
-of positions, as the bf16 bound of tests/integration/test_engine_smollm2.py; a prefix hit gives the
-tokens a cold prompt gave (the cache's rounded K/V are what every read sees); no block leaks."""
+of positions, as the bf16 bound of tests/integration/test_engine_smollm2.py; with a float16 cache a prefix
+hit gives the tokens a cold prompt gave (the cache's rounded K/V are what every read sees); no block leaks.
+
+The int8 cache's prefix hits are held to the fp32 bound, not to the cold round's tokens. A cold prefill and
+a prefix hit compute the same K through different attention paths (2-3e-5 apart in fp32); where such a
+difference crosses a rounding boundary an int8 code flips by one step and the rounds' logits move 1e-2 to
+2.5e-1 apart (measured: ops/bench/RESULTS.md, "Issue 21, 2026-11-25"), so equal tokens there hold by chance
+on near-ties. What that equality stood for, every read seeing the rounded K/V the cache holds, is checked
+exactly where it is decided: tests/unit/kernels/test_kv_int8.py (a cold prompt attends over its K/V as
+stored, every backend) and tests/unit/workers/test_fused_decode.py (the fused step, an int8 cache)."""
 
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: li
     seqs = rounds[-1]
     if regime == "prefix-hits":
         assert all(s.cached_len >= len(prompts[0]) // 2 for s in seqs)
-        assert [s.output_ids for s in seqs] == [s.output_ids for s in rounds[0]]
+        if cache_dtype == "float16":  # int8: see the module docstring
+            assert [s.output_ids for s in seqs] == [s.output_ids for s in rounds[0]]
     agree, total = fp32_agreement(fp32, prompts, seqs)
     assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
 
@@ -68,9 +77,7 @@ def test_int8_cache_at_the_default_precision_tracks_fp32(fp32: LoadedModel, smol
     engine.check_integrity()
     assert engine.all_blocks_free_or_evictable()
     if regime == "prefix-hits":
-        assert all(s.cached_len >= len(prompts[0]) // 2 for s in rounds[1])
-        if dtype == torch.float32:  # bf16: a whole prompt's prefill and a suffix's over its cached prefix round apart
-            assert [s.output_ids for s in rounds[1]] == [s.output_ids for s in rounds[0]]
+        assert all(s.cached_len >= len(prompts[0]) // 2 for s in rounds[1])  # tokens: see the module docstring
     agree, total = fp32_agreement(fp32, prompts, rounds[-1])
     assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
 

@@ -1,5 +1,5 @@
-"""The decode step of a Llama-family model on the native CPU ops (kernels/cpu/native): per layer
-four matmuls and four fused ops, no gather, no intermediate the eager path would not also make.
+"""The step of a Llama-family model on the native CPU ops (kernels/cpu/native): per layer four
+matmuls and four fused ops, no gather, no intermediate the eager path would not also make.
 
 Per layer, on a batch of B decode tokens (one per sequence), with the residual stream `residual`
 [B, H] fp32 updated in place:
@@ -11,12 +11,16 @@ Per layer, on a batch of B decode tokens (one per sequence), with the residual s
     normed = add_rms_norm(residual, down_proj(silu_mul(gate_up_proj(normed))))
              with the NEXT layer's input norm (the last layer's residual add stands alone)
 
+A step with prefill chunks or drafts (`step_hidden`) runs the same ops on all its tokens; only the
+extending sequences' attention differs: `native.extend_step` over their rotated q, k, v views of qkv.
+
 The roundings are those of `DecoderLayer.forward` (the same dtype casts at the same points), so the
 tokens equal the eager path's (exactly in fp32 up to summation order; see tests).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,10 +34,16 @@ if TYPE_CHECKING:
 
 
 def can_fuse(model: LlamaForCausalLM, meta: PagedAttentionMetadata, kv_dtype: torch.dtype | None = None) -> bool:
-    """Whether this step can run fused: a plain Llama-layer model (not a subclass with other layers),
-    every sequence decoding, on the native backend, a covered shape and cache dtype (None: the model's)."""
+    """Whether this step can run fused whole: every sequence decoding and `can_fuse_layers`."""
+    return meta.num_decodes == meta.num_seqs and can_fuse_layers(model, meta, kv_dtype)
+
+
+def can_fuse_layers(model: LlamaForCausalLM, meta: PagedAttentionMetadata, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether this step's layers can run on the native ops (`step_hidden`): a plain Llama-layer model
+    (not a subclass with other layers), the native backend, a covered shape and cache
+    dtype (None: the model's). Sequences that extend (prefill chunks, drafts) attend on the CPU extend path."""
     c = model.config
-    return (model.fused_decode_ok and meta.backend == "native" and meta.num_decodes == meta.num_seqs and model.device.type == "cpu"
+    return (model.fused_decode_ok and meta.backend == "native" and model.device.type == "cpu"
             and native.covers(c.head_dim, c.num_q_heads, c.num_kv_heads, model.dtype, kv_dtype) and native.load())
 
 
@@ -47,26 +57,71 @@ def decode_hidden(
                          cos.squeeze(1), sin.squeeze(1))
 
 
+def step_hidden(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """`decode_hidden` for any step `can_fuse_layers` takes: the decodes (the first `meta.num_decodes`
+    sequences, one token each) attend with `paged_decode`, the other sequences' tokens with
+    `native.extend_step` on their rotated q, k and v; every other op is the fused decode's."""
+    d = meta.num_decodes
+    if d == meta.num_seqs:
+        return decode_hidden(model, input_ids, kv, meta, cos, sin)
+    c = model.config
+    n = input_ids.shape[0]
+    block_tables, context_lens = meta.block_tables[:d], meta.context_lens[:d]
+
+    def attend(layer: DecoderLayer, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q = qkv[:, : c.q_size].view(n, c.num_q_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)
+        extended = native.extend_step(q[d:], k[d:], v[d:], k_cache, v_cache, meta, layer.scale, layer.sliding_window)
+        if not d:
+            return extended
+        decoded = torch.ops.tollway_cpu.paged_decode(q[:d], k_cache, v_cache, block_tables, context_lens, layer.scale,
+                                                     layer.sliding_window or 0)
+        return torch.cat([decoded, extended])
+
+    return _layers(model, input_ids, kv, meta.slot_mapping, cos.squeeze(1), sin.squeeze(1), attend)
+
+
 def decode_layers(
     model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, slot_mapping: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:
     """`decode_hidden` on plain tensors (cos/sin [B, D]): no Python value of the batch is read, so
     torch.compile traces it whole (workers/engine/compiled_decode.py)."""
+    c = model.config
+
+    def attend(layer: DecoderLayer, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q = qkv[:, : c.q_size].view(qkv.shape[0], c.num_q_heads, c.head_dim)
+        return torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
+                                                  layer.sliding_window or 0)
+
+    return _layers(model, input_ids, kv, slot_mapping, cos, sin, attend)
+
+
+Attend = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""attend(layer, qkv [N, (Hq + 2 Hkv) D] rotated and stored, k_cache, v_cache) -> attention [N, Hq, D]."""
+
+
+def _layers(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, slot_mapping: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+) -> torch.Tensor:
+    """The layers of the module docstring on N tokens, `attend` giving each layer's attention."""
     ops = torch.ops.tollway_cpu
     layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
     c = model.config
-    batch = input_ids.shape[0]
-    residual = model.embed_tokens(input_ids).float()  # [B, H], owned by this step
+    n = input_ids.shape[0]
+    residual = model.embed_tokens(input_ids).float()  # [N, H], owned by this step
     normed = ops.add_rms_norm(residual, None, layers[0].input_norm.weight, layers[0].input_norm.eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv.keys[layer.layer_index], kv.values[layer.layer_index]
         qkv = layer.qkv_proj(normed)
         ops.rotary_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, c.num_q_heads, c.num_kv_heads)
-        q = qkv[:, : c.q_size].view(batch, c.num_q_heads, c.head_dim)
-        attn = ops.paged_decode(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
-                                layer.sliding_window or 0)
-        normed = ops.add_rms_norm(residual, layer.o_proj(attn.view(batch, -1)), layer.post_attention_norm.weight,
+        attn = attend(layer, qkv, k_cache, v_cache)
+        normed = ops.add_rms_norm(residual, layer.o_proj(attn.view(n, -1)), layer.post_attention_norm.weight,
                                   layer.post_attention_norm.eps)
         down = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
         if i + 1 < len(layers):

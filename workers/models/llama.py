@@ -175,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
         if meta.block_size != kv.block_size:
             raise ValueError(f"metadata uses blocks of {meta.block_size}, the KV storage {kv.block_size}")
         cos, sin = self.rotary.gather(meta.positions, meta.max_context_len - 1, self.dtype)
-        if fused_decode.can_fuse(self, meta, kv.keys[0].dtype):  # all decodes on the native CPU ops
-            hidden = fused_decode.decode_hidden(self, input_ids, kv, meta, cos, sin)
+        if fused_decode.can_fuse_layers(self, meta, kv.keys[0].dtype):  # on the native CPU ops
+            hidden = fused_decode.step_hidden(self, input_ids, kv, meta, cos, sin)
         else:
             hidden = self.embed_tokens(input_ids).float()  # the residual stream stays fp32
             for layer in self.layers:

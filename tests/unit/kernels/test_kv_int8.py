@@ -40,8 +40,12 @@ def test_round_trip_error_is_at_most_half_a_step_of_its_row(dtype: torch.dtype) 
 
 
 def mixed_step(backend: str) -> PagedAttentionMetadata:
-    """Two decodes and one 9-token extend over a 31-token prefix, in blocks of 16."""
-    return PagedAttentionMetadata.build([1, 1, 9], [18, 1, 40], [[0, 1], [2], [3, 4, 5]], 16, backend=backend)
+    """Two decodes, one 9-token extend over a 31-token prefix and a fresh 12-token prompt, in blocks of 16.
+    The fresh prompt is the cold prefill whose tokens a later prefix hit must reproduce: it has to attend
+    over its K/V as the cache rounds them, not as computed (the reference reads everything back from the
+    cache)."""
+    return PagedAttentionMetadata.build([1, 1, 9, 12], [18, 1, 40, 12], [[0, 1], [2], [3, 4, 5], [6]], 16,
+                                        backend=backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,7 +55,7 @@ def test_step_on_an_int8_cache_equals_the_reference_on_its_dequantized_copy(dtyp
         needs_native()
     torch.manual_seed(5)
     caches = [quantize(torch.randn(8, 16, 2, 64)), quantize(torch.randn(8, 16, 2, 64))]
-    q, k, v = (torch.randn(11, h, 64).to(dtype) for h in (6, 2, 2))
+    q, k, v = (torch.randn(23, h, 64).to(dtype) for h in (6, 2, 2))
     stored = [c.clone() for c in caches]
     got = paged_attention(q, k, v, *stored, mixed_step(backend), 0.125)
     wide = [dequantize(c, torch.float32) for c in caches]

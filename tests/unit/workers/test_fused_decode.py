@@ -12,12 +12,15 @@ import torch
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
+from cache.kv_storage import KVStorage
 from kernels.cpu import native
+from kernels.kv_int8 import dequantize
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import unavailable
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models import fused_decode
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.packed_linear import PackedLinear, pack_linears, packing_kind
 from workers.paged_step import run_step
@@ -35,7 +38,7 @@ def prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 64)]
 
 
-@pytest.mark.parametrize(
+MODELS = pytest.mark.parametrize(
     ("model_type", "dtype", "overrides"),
     [
         ("llama", torch.float32, {}),
@@ -46,13 +49,52 @@ def prompts(seed: int) -> list[list[int]]:
     ],
     ids=["llama-fp32", "llama-bf16", "qwen2-bias", "mistral-window", "group-8"],
 )
-def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
-                                      overrides: dict[str, int]) -> None:
+
+
+def tiny_model(tmp_path: Path, model_type: str, dtype: torch.dtype, overrides: dict[str, int]) -> LlamaForCausalLM:
     from workers.models.tiny import write_tiny_model_folder
 
     if "head_dim" in overrides:
         overrides = {**overrides, "hidden_size": overrides["head_dim"] * overrides["num_attention_heads"]}
-    model = load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
+    return load_model(write_tiny_model_folder(tmp_path / "m", model_type, seed=5, **overrides), dtype).model
+
+
+def assert_native_step_equals_eager(model: LlamaForCausalLM, kv: KVStorage, tables: list[BlockTable],
+                                    new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+    """Run one step of `new_tokens` (already appended to `tables`) on the `cpu` backend (eager layers) and
+    on `native` (the fused ops), each from a copy of `kv`: same logits for every token (fp32 within 1e-4;
+    bf16 within bf16 rounding), the same argmax, the same K/V written."""
+    input_ids = torch.tensor([t for tokens in new_tokens for t in tokens])
+    results = []
+    for backend in ("cpu", "native"):
+        if backend == "native":
+            # packed where this CPU has a packed GEMM for the dtype (bf16 needs AVX512-BF16/AMX); else plain
+            packs = packing_kind(dtype) is not None
+            assert pack_linears(model) == packs and isinstance(model.lm_head, PackedLinear) == packs
+        step_kv = model.allocate_kv(kv.num_blocks, kv.block_size, kv.keys[0].dtype)
+        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
+            dst.copy_(src)
+        meta = PagedAttentionMetadata.build([len(t) for t in new_tokens], [t.num_tokens for t in tables],
+                                            [t.block_ids for t in tables], kv.block_size, backend=backend)
+        all_decode = meta.num_decodes == meta.num_seqs
+        cache_dtype = kv.keys[0].dtype
+        assert fused_decode.can_fuse_layers(model, meta, cache_dtype) == (backend == "native")
+        assert fused_decode.can_fuse(model, meta, cache_dtype) == (backend == "native" and all_decode)
+        results.append((model(input_ids, step_kv, meta), step_kv))
+    (eager, eager_kv), (fused, fused_kv) = results
+    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(fused, eager, **close)
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
+        if a.dtype == torch.int8:  # rows of codes and a scale: compare what they hold
+            a, b = dequantize(a, torch.float32), dequantize(b, torch.float32)
+        torch.testing.assert_close(a, b, **close)
+
+
+@MODELS
+def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
+                                      overrides: dict[str, int]) -> None:
+    model = tiny_model(tmp_path, model_type, dtype, overrides)
     block_size = 8
     pool = BlockPool(64, block_size)
     kv = model.allocate_kv(pool.num_blocks, block_size)
@@ -61,26 +103,30 @@ def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: to
     run_step(model, kv, tables, batch, backend="cpu")  # prefill
     for table in tables:
         table.append(1)
-    new_tokens = torch.tensor([5, 9, 17, 33, 65])
-    results = []
-    for backend in ("cpu", "native"):
-        if backend == "native":
-            # packed where this CPU has a packed GEMM for the dtype (bf16 needs AVX512-BF16/AMX); else plain
-            packs = packing_kind(dtype) is not None
-            assert pack_linears(model) == packs and isinstance(model.lm_head, PackedLinear) == packs
-        step_kv = model.allocate_kv(pool.num_blocks, block_size)
-        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
-            dst.copy_(src)
-        meta = PagedAttentionMetadata.build([1] * len(batch), [t.num_tokens for t in tables],
-                                            [t.block_ids for t in tables], block_size, backend=backend)
-        assert fused_decode.can_fuse(model, meta) == (backend == "native")
-        results.append((model(new_tokens, step_kv, meta), step_kv))
-    (eager, eager_kv), (fused, fused_kv) = results
-    close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
-    torch.testing.assert_close(fused, eager, **close)
-    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
-    for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
-        torch.testing.assert_close(a, b, **close)
+    assert_native_step_equals_eager(model, kv, tables, [[5], [9], [17], [33], [65]], dtype)
+
+
+@MODELS
+@pytest.mark.parametrize("cache", ["model", "int8"])
+def test_mixed_step_on_native_ops_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
+                                                    overrides: dict[str, int], cache: str) -> None:
+    """A step of decodes, a prompt's second chunk (over its cached first chunk) and a fresh prompt runs
+    the native ops (`step_hidden`) and gives every token the eager step's logits and K/V, on a cache of
+    the model's dtype and on an int8 one (whose fresh prompt attends over its rounded K/V on both paths:
+    tests/unit/kernels/test_kv_int8.py checks the eager one against the reference)."""
+    model = tiny_model(tmp_path, model_type, dtype, overrides)
+    block_size = 8
+    pool = BlockPool(64, block_size)
+    kv = model.allocate_kv(pool.num_blocks, block_size, torch.int8 if cache == "int8" else None)
+    batch = prompts(4)
+    tables = [BlockTable(pool) for _ in batch]
+    first = [*batch[:3], batch[4][:30]]  # three prompts done, the fifth's first chunk
+    run_step(model, kv, tables[:3] + tables[4:], first, backend="cpu")
+    new = [[5], [9], [17], batch[4][30:], batch[3]]  # decodes first, then the extends
+    order = [*tables[:3], tables[4], tables[3]]
+    for table, tokens in zip(order, new, strict=True):
+        table.append(len(tokens))
+    assert_native_step_equals_eager(model, kv, order, new, dtype)
 
 
 def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
