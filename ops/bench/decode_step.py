@@ -15,6 +15,11 @@ each backend's eager one, on the same engine: `cpu+compile` (the torch step, att
 gathered blocks of fixed-width tables) and `native+compile` (the fused native step traced whole, the
 C++ ops opaque to inductor); their first step compiles the batch's bucket, whose time is printed.
 
+Each run also prints a floor: the step could not cost less than its matmuls plus reading the batch's K/V
+once (every layer's rows of every sequence, in the cache's dtype) at the bandwidth `torch.sum` streams a
+buffer of that size with on this machine, timed in the same run. Where the floor itself is above the
+issue's 1.5x, the goal is out of reach for that cache dtype on that host whatever the kernels do.
+
     .venv/bin/python ops/bench/decode_step.py [--batch 32 --context 380 --steps 12] [--compile]
 """
 
@@ -66,6 +71,24 @@ def time_matmuls(model: LlamaForCausalLM, batch: int) -> float:
     return time.perf_counter() - start
 
 
+def kv_bytes_read(engine: Engine) -> int:
+    """Bytes of K/V one decode step's attention reads: each sequence's rows of every layer, once."""
+    kv = engine.runner.kv  # per layer [blocks, block_size, kv_heads, row]: a token's K row and V row of each head
+    per_token = sum(2 * k[0, 0].numel() * k.element_size() for k in kv.keys)
+    return per_token * sum(s.total_len for s in engine.sequences.values())
+
+
+def time_stream(num_bytes: int, repeats: int = 7) -> float:
+    """Median seconds `torch.sum` takes to read a buffer of `num_bytes` (fp32, beyond any cache), every thread."""
+    buffer = torch.ones(num_bytes // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def measure(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
     """Median decode step and median matmuls-alone time (seconds), one of each per step."""
     step_times, matmul_times = [], []
@@ -115,6 +138,12 @@ def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, 
     for backend, (step, matmuls) in results.items():
         print(f"{name:9} kv {cache:9} {backend:14} step {step * 1e3:7.1f} ms   matmuls alone {matmuls * 1e3:6.1f} ms   "
               f"ratio {step / matmuls:4.2f}x", flush=True)
+    kv_bytes = kv_bytes_read(engine)
+    stream = time_stream(kv_bytes)
+    matmuls = min(m for _, m in results.values())
+    print(f"{name:9} kv {cache:9} floor: the K/V read ({kv_bytes / 2**20:.0f} MiB) streams in {stream * 1e3:.1f} ms "
+          f"({kv_bytes / stream / 1e9:.1f} GB/s); matmuls {matmuls * 1e3:.1f} ms + that = "
+          f"{(matmuls + stream) / matmuls:4.2f}x the matmuls", flush=True)
     for backend, times in compile_times.items():
         described = ", ".join(f"batch {b} / context {c}: {t:.1f} s" for (b, c), t in sorted(times.items()))
         print(f"{name:9} {backend:14} compile (first call of each bucket): {described}", flush=True)
