@@ -21,7 +21,8 @@ from cache.kv_storage import KVStorage
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from workers.models.config import ModelConfig
-from workers.models.llama import REFINED_TOP, DecoderLayer, LlamaForCausalLM, RMSNorm
+from workers.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
+from workers.models.logits_refine import refine_top
 from workers.models.rope import RotaryTable, apply_rotary
 
 
@@ -104,13 +105,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, tanh-capped when the config says so. As in LlamaForCausalLM.logits, with
         bf16 weights the REFINED_TOP largest of each row are recomputed in fp32 (Gemma's norm)."""
-        logits = self.lm_head(self.norm(hidden)).float()
-        if self.dtype != torch.float32:
+        logits = self.lm_head(self.norm(hidden))
+        if self.dtype == torch.float32:
+            logits = logits.float()
+        else:
             norm = self.norm
             exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=norm.eps) * (1.0 + norm.weight.float())
-            top = logits.topk(min(REFINED_TOP, logits.shape[-1]), dim=-1).indices  # [n, k]
-            exact = torch.einsum("nkh,nh->nk", self.lm_head.weight[top].float(), exact_normed)
-            logits.scatter_(1, top, exact)
+            logits = refine_top(logits, self.lm_head.weight, exact_normed)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -23,6 +23,7 @@ from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from workers.models import fused_decode
 from workers.models.config import ModelConfig
+from workers.models.logits_refine import refine_top
 from workers.models.quantized_head import head_approximates
 from workers.models.rope import RotaryTable, apply_rotary
 
@@ -108,10 +109,6 @@ class DecoderLayer(nn.Module):
         """The feed-forward block on normed hidden states (MoE layers override)."""
         gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-REFINED_TOP = 64
-"""Logits recomputed in fp32 per row when the model runs in bf16 (see LlamaForCausalLM.logits)."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -204,14 +201,11 @@ class LlamaForCausalLM(nn.Module):
         exact where it matters, in fp32 too.
         """
         normed = self.norm(hidden)
-        logits = self.lm_head(normed).float()
+        logits = self.lm_head(normed)
         if self.dtype == torch.float32 and not head_approximates(self.lm_head, normed.shape[0]):
-            return logits
+            return logits.float()
         exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
-        top = logits.topk(min(REFINED_TOP, logits.shape[-1]), dim=-1).indices  # [n, k]
-        rows = self.lm_head.weight[top].float()  # [n, k, H]
-        exact = torch.einsum("nkh,nh->nk", rows, exact_normed)
-        return logits.scatter_(1, top, exact)
+        return refine_top(logits, self.lm_head.weight, exact_normed)  # workers/models/logits_refine.py
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in a Hugging Face checkpoint, fusing q/k/v and gate/up.

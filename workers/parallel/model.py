@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from cache.kv_layout import KVLayout
 from cache.kv_storage import KVStorage
 from kernels.metadata import PagedAttentionMetadata
-from workers.models.llama import REFINED_TOP, LlamaForCausalLM
+from workers.models.llama import LlamaForCausalLM
+from workers.models.logits_refine import REFINED_TOP
 from workers.parallel.layers import TensorParallelGroup, check_tensor_parallel, shard_layers, vocab_shard
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`,
+"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `head_ops.cpp`,
 `quantized_matmul.cpp` and `quantized_vnni.cpp`, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
 read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 
@@ -15,6 +15,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
   slots [N] int64, Hq, Hkv)`: also writes k and v at their slots (rounded to the caches' dtype, or
   quantized into an int8 cache exactly as `kv_int8.quantize` does);
 - `silu_mul(gate_up [N, 2I]) -> [N, I]`;
+- `refine_top_logits(logits [N, V] fp32 | bf16, weight [V, H] fp32 | bf16, normed [N, H] fp32, k) -> [N, V]
+  fp32`: the logits in fp32 with the k largest of each row recomputed as `weight[v] . normed[n]` in fp32
+  (`head_ops.cpp`; used through workers/models/logits_refine.py);
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
   (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py);
@@ -46,12 +49,16 @@ KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16,
                    torch.bfloat16: (torch.bfloat16, torch.int8)}
 """For each compute dtype, the cache dtypes the attention ops read and write."""
 
-__all__ = ["covers", "decode_step", "extend_step", "load", "store_kv", "unavailable_reason", "vnni"]
+__all__ = ["covers", "decode_step", "extend_step", "is_loaded", "load", "store_kv", "unavailable_reason", "vnni"]
+
+_loaded = False
+"""Set once `load()` has loaded the library into this process (read by `is_loaded`, which never builds)."""
 
 
 @cache
 def _load() -> str | None:
     """None when the ops are loaded; else why not (logged once)."""
+    global _loaded
     try:
         torch.ops.load_library(str(build()))
         register_fakes()  # so torch.compile can trace steps that call the ops (fake.py)
@@ -59,12 +66,19 @@ def _load() -> str | None:
         reason = f"native CPU kernels unavailable, using the torch CPU path: {exc}"
         log.warning(reason)
         return reason
+    _loaded = True
     return None
 
 
 def load() -> bool:
     """Build (first use on this machine) and load the ops; False when they cannot be had here."""
     return _load() is None
+
+
+def is_loaded() -> bool:
+    """Whether this process has loaded the ops already (an engine on the native backend loads them at
+    start); unlike `load()` it never starts a build, so code shared with the torch path may ask it."""
+    return _loaded
 
 
 def unavailable_reason() -> str | None:

@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "tollway_cpu.cpp", "paged_decode.cpp", "layer_ops.cpp", "quantized_matmul.cpp",
-    "quantized_vnni.cpp"))
+    "quantized_vnni.cpp", "head_ops.cpp"))
 """Compiled together into one library (`tollway_cpu.cpp` defines it, the others add their ops): the decode
-step's attention and small fused ops, and the weight-only quantized matmuls (the VNNI ones compiled for that
+step's attention and small fused ops, the LM head's logits refinement, and the weight-only quantized matmuls (the VNNI ones compiled for that
 extension alone and called only where the CPU has it)."""
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "paged_decode.h"))
 """Included by the sources: part of the cache key as they are."""

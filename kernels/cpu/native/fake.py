@@ -47,3 +47,7 @@ def register_fakes() -> None:
     @torch.library.register_fake(f"{lib}::int8_matmul_q8")
     def _int8_matmul_q8(x, qweight, scales, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(f"{lib}::refine_top_logits")
+    def _refine_top_logits(logits, weight, normed, k):  # type: ignore[no-untyped-def]
+        return logits.new_empty(logits.shape, dtype=torch.float32)

@@ -96,7 +96,7 @@ def test_bfloat16_logits_are_exact_fp32_for_the_top_candidates(tmp_path: Path) -
     """The head runs in bf16 (outputs rounded to bf16) but the REFINED_TOP largest logits of each
     row are recomputed in fp32 from the same bf16 weights: no bf16 rounding where argmax and top
     logprobs are decided."""
-    from workers.models.llama import REFINED_TOP
+    from workers.models.logits_refine import REFINED_TOP
     from workers.models.tiny import write_tiny_model_folder
 
     model = load_model(write_tiny_model_folder(tmp_path / "m", vocab_size=256), torch.bfloat16).model

@@ -16,8 +16,8 @@ from kernels.quantized.cpu import cpu_matmul
 from kernels.quantized.layout import dequantize, quantize_int8
 from tests.required import unavailable
 from workers.engine.engine import Engine, EngineConfig
-from workers.models.llama import REFINED_TOP
 from workers.models.loader import load_model
+from workers.models.logits_refine import REFINED_TOP
 from workers.models.packed_linear import PackedLinear, packing_kind
 from workers.models.quantized_head import QUANTIZED_HEAD_MAX_ROWS, QuantizedHead, head_approximates
 from workers.models.tiny import write_tiny_model_folder

@@ -21,8 +21,9 @@ from kernels.quantized.layout import dequantize, quantize_int4
 from tests.required import unavailable
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.gguf_blocks import PROJECTION_TENSORS
-from workers.models.llama import FUSED_PROJECTIONS, REFINED_TOP, fused_weight
+from workers.models.llama import FUSED_PROJECTIONS, fused_weight
 from workers.models.loader import load_model, load_weights, read_model_config, read_weights
+from workers.models.logits_refine import REFINED_TOP
 from workers.models.packed_linear import PackedLinear, packing_kind
 from workers.models.quantize import QuantizationError, quantize_floats, quantize_model
 from workers.models.quantized_head import QuantizedHead

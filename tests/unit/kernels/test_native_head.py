@@ -1,0 +1,71 @@
+"""The native logits refinement (`refine_top_logits`, kernels/cpu/native/head_ops.cpp) against its
+definition and against the torch path of workers/models/logits_refine.py.
+
+Needs the library built on this machine, as tests/unit/kernels/test_native.py (skipped locally without
+a compiler, failing under TOLLWAY_REQUIRE_SERVICES=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import native
+from tests.required import unavailable
+from workers.models import logits_refine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+def head_case(rows: int, vocab: int, hidden: int, logits_dtype: torch.dtype, weight_dtype: torch.dtype,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's logits drawn apart from the weights, so a recomputed logit differs from the head's."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=generator).to(weight_dtype)
+    normed = torch.randn(rows, hidden, generator=generator)
+    logits = (4 * torch.randn(rows, vocab, generator=generator)).to(logits_dtype)
+    return logits, weight, normed
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab", "hidden", "k"), [(5, 1031, 64, 64), (3, 4096, 72, 1), (2, 40, 16, 40)])
+def test_refines_exactly_the_k_largest(logits_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, vocab: int,
+                                       hidden: int, k: int) -> None:
+    logits, weight, normed = head_case(rows, vocab, hidden, logits_dtype, weight_dtype, seed=vocab + k)
+    out = torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed, k)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    before = logits.float()
+    exact = normed @ weight.float().T
+    for r in range(rows):
+        refined = out[r] != before[r]
+        assert int(refined.sum()) == k
+        torch.testing.assert_close(out[r][refined], exact[r][refined], rtol=1e-5, atol=1e-5)
+        if k < vocab:  # k largest of the head's logits: none left out beats one taken (ties either way)
+            assert before[r][refined].min() >= before[r][~refined].max()
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_native_and_torch_paths_agree(logits_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    logits, weight, normed = head_case(8, 1000, 96, logits_dtype, torch.bfloat16, seed=3)
+    # distinct values in every row (bf16 bit patterns of 1.0 to 256), so both paths take the same k
+    generator = torch.Generator().manual_seed(4)
+    patterns = torch.stack([torch.randperm(1024, generator=generator)[:1000] + 0x3F80 for _ in range(8)])
+    logits = patterns.to(torch.int16).view(torch.bfloat16).to(logits_dtype)
+    native_out = logits_refine.refine_top(logits, weight, normed)
+    monkeypatch.setattr(native, "is_loaded", lambda: False)
+    torch_out = logits_refine.refine_top(logits, weight, normed)
+    torch.testing.assert_close(native_out, torch_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native_out.max(dim=-1).indices, torch_out.max(dim=-1).indices)
+
+
+def test_rejects_mismatched_shapes() -> None:
+    logits, weight, normed = head_case(2, 100, 32, torch.float32, torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="normed must be"):
+        torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed[:, :16].contiguous(), 8)
+    with pytest.raises(RuntimeError, match="k must be"):
+        torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed, 101)
