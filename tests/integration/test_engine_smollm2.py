@@ -95,25 +95,49 @@ def auto(smollm2_folder: Path, fp32: LoadedModel) -> LoadedModel:
     return fp32 if dtype == torch.float32 else load_model(smollm2_folder, dtype)
 
 
+# The bf16 agreement is a rate: at a true 1% of near-tie flips, 87 tokens (the five questions) fail a 98%
+# bound one time in five by chance alone (two flips). Measured over these 20 prompts x 48 tokens on an AMX
+# host: 98.6-99.6% per regime and backend; the five questions alone gave 85/87 in one regime and 87/87 in
+# another, the same code. So the bound is checked on ~900 tokens, where it separates a defect from luck.
+AGREEMENT_QUESTIONS = QUESTIONS + [
+    "What is continuous batching?", "How are tokens billed?", "Explain the radix cache in two sentences.",
+    "Which environment variable sets the quantization?", "How do I rotate an API key?",
+    "What happens when the gateway restarts?", "Write a haiku about GPUs.", "List three uses of embeddings.",
+    "What is 17 times 23?", "Translate 'good morning' into French.", "Summarize the plot of Hamlet.",
+    "Why is the sky blue?", "Give me a Python function that reverses a string.", "What is a mutex?",
+    "Name the planets of the solar system."]
+AGREEMENT_TOKENS = 48
+
+
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 def test_default_precision_tracks_fp32_in_every_regime(fp32, auto, prompts, hf_greedy, regime: str) -> None:
     """What users run: at `auto` precision every regime's greedy tokens are fp32's argmax, teacher
     forced on the engine's own output, at >= 98% of positions (exactly, when `auto` is fp32)."""
     engine = Engine(auto, REGIMES[regime])
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    for _ in range(2 if regime == "prefix-hits" else 1):
-        seqs = engine.generate_batch(prompts, params)
-        engine.check_integrity()
-        assert engine.all_blocks_free_or_evictable()
     if auto is fp32:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        for _ in range(2 if regime == "prefix-hits" else 1):
+            seqs = engine.generate_batch(prompts, params)
+            engine.check_integrity()
+            assert engine.all_blocks_free_or_evictable()
         assert [s.output_ids for s in seqs] == hf_greedy
         return
+    tokenizer = TextTokenizer.from_payload(tokenizer_payload(fp32.folder))
+    agreement_prompts = [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                         for q in AGREEMENT_QUESTIONS]
+    params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0)
+    for _ in range(2 if regime == "prefix-hits" else 1):
+        seqs = engine.generate_batch(agreement_prompts, params)
+        engine.check_integrity()
+        assert engine.all_blocks_free_or_evictable()
+    if regime == "prefix-hits":
+        assert all(s.cached_len > 0 for s in seqs)
     agree = total = 0
-    for prompt, seq in zip(prompts, seqs, strict=True):
+    for prompt, seq in zip(agreement_prompts, seqs, strict=True):
         if not seq.output_ids:
             continue
         text = prompt + seq.output_ids
         want = prefill_logits(fp32.model, [text])[0].argmax(-1)[len(prompt) - 1 : len(text) - 1]
         agree += sum(int(w) == g for w, g in zip(want.tolist(), seq.output_ids, strict=True))
         total += len(seq.output_ids)
-    assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
+    assert total >= 500 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
