@@ -33,11 +33,16 @@ REGIMES = {
 }
 
 
+def chat_prompts(model: LoadedModel, questions: list[str]) -> list[list[int]]:
+    """Token ids of each question as a chat after the shared SYSTEM prompt."""
+    tokenizer = TextTokenizer.from_payload(tokenizer_payload(model.folder))
+    return [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in questions]
+
+
 @pytest.fixture(scope="module")
 def prompts(fp32: LoadedModel) -> list[list[int]]:
-    tokenizer = TextTokenizer.from_payload(tokenizer_payload(fp32.folder))
-    return [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-            for q in QUESTIONS]
+    return chat_prompts(fp32, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +127,7 @@ def test_default_precision_tracks_fp32_in_every_regime(fp32, auto, prompts, hf_g
             assert engine.all_blocks_free_or_evictable()
         assert [s.output_ids for s in seqs] == hf_greedy
         return
-    tokenizer = TextTokenizer.from_payload(tokenizer_payload(fp32.folder))
-    agreement_prompts = [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-                         for q in AGREEMENT_QUESTIONS]
+    agreement_prompts = chat_prompts(fp32, AGREEMENT_QUESTIONS)
     params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0)
     for _ in range(2 if regime == "prefix-hits" else 1):
         seqs = engine.generate_batch(agreement_prompts, params)

@@ -27,21 +27,28 @@ inline float reduce_add(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// n floats from src (fp32, bf16 or fp16) into dst; n is a multiple of 2 * W, or below it (a head dim
-// of 16 under AVX512): then one value at a time.
+// n floats from src (fp32, bf16 or fp16) into dst, any n: 2W values per vector step, the tail one at a time.
 template <typename T>
 inline void load_floats(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::copy(src, src + n, dst);
-  } else if (n < 2 * W) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   } else {
-    for (int64_t i = 0; i < n; i += 2 * W) {
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
       auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src + i));
       lo.store(dst + i);
       hi.store(dst + i + W);
     }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
+}
+
+// W values of p widened one at a time: the vector loads' fallback where no vector extension is compiled in.
+template <typename C>
+inline Vec load_each(const C* p) {
+  alignas(64) float f[W];
+  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
 }
 
 // ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
@@ -61,9 +68,7 @@ inline Vec load_codes(const int8_t* p) {
 #elif defined(CPU_CAPABILITY_AVX2)
   return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #else
-  alignas(64) float f[W];
-  for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
+  return load_each(p);
 #endif
 }
 
@@ -100,9 +105,7 @@ inline Vec load_vec(const C* p) {
     if constexpr (std::is_same_v<C, Half>) return Vec(_mm256_cvtph_ps(raw));
     else return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
 #else
-    alignas(64) float f[W];
-    for (int64_t i = 0; i < W; ++i) f[i] = static_cast<float>(p[i]);
-    return Vec::loadu(f);
+    return load_each(p);
 #endif
   }
 }

@@ -15,14 +15,6 @@ namespace {
 
 using namespace tollway_native;
 
-// n values of src (fp32 or bf16) into fp32 dst: vector body, scalar tail.
-template <typename T>
-void to_floats(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) load_vec(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // The indices of k largest values of row[0, n) (where values tie at the k-th, any of them), k <= n.
 // A min-heap holds the best k so far; a span of 4W values whose maximum does not beat the heap's least
 // is passed over with one comparison, so after the first spans nearly every value costs a load and a max.
@@ -81,7 +73,7 @@ void refine_rows(const at::Tensor& logits, const at::Tensor& weight, const at::T
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* row = op + n * V;
-      to_floats(lp + n * V, row, V);
+      load_floats(lp + n * V, row, V);
       for (int64_t v : top_indices(row, V, k)) row[v] = dot(wp + v * H, xp + n * H, H);
     }
   });
