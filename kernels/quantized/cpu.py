@@ -16,12 +16,15 @@ Two kernels, chosen per layer at packing (`pack_for_cpu(kernel=...)`, "auto" by 
 
 "auto" takes native where the native library loads (kernels.cpu.native.load()) and torch elsewhere.
 
-For bf16 activations on a CPU with AVX512-VNNI the native row kernel is the `*_matmul_q8` one
-(kernels/cpu/native/quantized_vnni.cpp): x quantized to int8 per block of 32 columns (llama.cpp's
-Q8_0), the products as integer multiply-adds: on a 2-core AVX512-BF16 host 1.3-2x the float row kernel's
-speed at 1-8 rows, and level with oneDNN's bf16 GEMM on prepacked weights at 32 rows (int8; ops/bench/RESULTS.md,
-"Issue 22"). x's rounding is of the order of bf16's own;
-fp32 models keep the float kernels, whose results are the dequantized model's to summation order.
+In decode steps (`decode_step()`) the native row kernel is the `*_matmul_q8` one (kernels/cpu/native/
+quantized_q8.cpp): x quantized to int8 per block of 32 columns (llama.cpp's Q8_0), the products as integer
+multiply-adds, AVX512-VNNI's where the CPU has them (quantized_vnni.cpp; on a 2-core AVX512-BF16 host 1.3-2x the
+float row kernel's speed at 1-8 rows, level with oneDNN's bf16 GEMM on prepacked weights at 32 rows), else AVX2's
+(quantized_avx2.cpp; on a 2-core AVX2 host 1.4x the float row kernel at one row, 3.2-3.4x at 4-32, int4;
+ops/bench/RESULTS.md, "Issue 22"). x's rounding adds an error of the order of bf16's own (7 bits and a sign per
+value, one scale per 32), which the decode-sized perplexity tests bound (tests/integration/test_eval_ppl.py);
+a packing made with activations="float" keeps the float kernels in every step, whose results are the
+dequantized model's to summation order.
 Ownership: a `CpuPacked` is built once per layer at load and owns its tensors; the layout's
 `QuantizedWeight` it came from can be dropped afterwards.
 """
@@ -46,6 +49,8 @@ NATIVE_BLOCK = 32
 NATIVE_TILE = 8
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("auto", "native", "torch")
+ACTIVATIONS = ("int8", "float")
+"""What quantized matmuls in decode steps take x as (`pack_for_cpu`, TOLLWAY_QUANTIZED_ACTIVATIONS)."""
 DEQUANTIZE_FROM_ROWS: dict[tuple[torch.dtype, int], int] = {
     (torch.bfloat16, 4): 16, (torch.bfloat16, 8): 64, (torch.float32, 4): 1024, (torch.float32, 8): 1024,
 }
@@ -57,8 +62,8 @@ crossover, ops/bench/RESULTS.md "Issue 22"), so only steps of the whole default 
 bf16 (prefill, and decode steps on CPUs without AVX512-VNNI): int8 rows 35.7 vs 39.6 ms dequantizing at 48 rows,
 45.9 vs 44.9 at 64; int4 rows 18.4 vs 19.5 at 16, 34.7 vs 24.4 at 32 (30 layers' projections, same host)."""
 Q8_DEQUANTIZE_FROM_ROWS: dict[int, int] = {4: 64, 8: 128}
-"""The same crossover for the int8-activation row kernels (bits -> rows), bf16 on AVX512-VNNI, which run in
-decode steps only (`decode_step`): two integer multiply-adds per 128 weights hold out far longer (2 threads,
+"""The same crossover for the int8-activation row kernels (bits -> rows), which run in decode steps only
+(`decode_step`); measured for bf16 on AVX512-VNNI: two integer multiply-adds per 128 weights hold out far longer (2 threads,
 30 layers' projections: int4 24.7 vs 29.5 ms dequantizing at 64 rows, int8 33.5 vs 44.7 at 128;
 ops/bench/RESULTS.md "Issue 22"). Prefill and prompt logprobs keep x as it is: with x rounded there, bf16
 int4's teacher-forced argmax agreement with the fp32 model fell from 96.9% to 90.6%
@@ -83,11 +88,16 @@ class CpuPacked:
     shape: tuple[int, int]
     """(N, K) of the float weight."""
     int8_activations: bool = False
-    """native only: the row kernel quantizes x to int8 (the *_matmul_q8 ops; bf16 on AVX512-VNNI)."""
+    """native only: in decode steps the row kernel quantizes x to int8 (the *_matmul_q8 ops)."""
+    q8_scales: torch.Tensor | None = None
+    q8_mins: torch.Tensor | None = None
+    """native int4 whose decode steps run the AVX2 q8 kernel: the scales and mins as fp16 tiles, which that
+    kernel reads instead (at one row of x it is bound by reading: 2 bytes per 32 weights instead of 8; exact
+    for a GGUF's Q4_0/Q4_1 blocks, whose scales are fp16; a relative 2^-11 otherwise, well under x's rounding)."""
 
     def nbytes(self) -> int:
-        parts = [self.weight, self.scales] + ([self.mins] if self.mins is not None else [])
-        return sum(t.numel() * t.element_size() for t in parts)
+        parts = [self.weight, self.scales, self.mins, self.q8_scales, self.q8_mins]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -131,9 +141,12 @@ def choose_kernel(kernel: str, weight: QuantizedWeight, dtype: torch.dtype) -> s
     return kernel
 
 
-def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "auto") -> CpuPacked:
+def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "auto",
+                 activations: str = "int8") -> CpuPacked:
     """Prepare `weight` for `cpu_matmul` on activations of `dtype`; ValueError for what the kernel
-    cannot run (int8 with more than one group per row, an unsupported int4 group size or dtype)."""
+    cannot run (int8 with more than one group per row, an unsupported int4 group size or dtype).
+    `activations` (ACTIVATIONS): "int8" lets decode steps round x to int8 where a native q8 kernel runs
+    (`int8_activations`), "float" keeps x as it is in every step."""
     if dtype not in CPU_DTYPES:
         raise ValueError(f"quantized matmuls run on float32, bfloat16 or float16 activations, not {dtype}")
     n, k = weight.shape
@@ -143,15 +156,19 @@ def pack_for_cpu(weight: QuantizedWeight, dtype: torch.dtype, kernel: str = "aut
     if weight.bits == 4 and weight.group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"the CPU int4 matmul takes groups of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                          f"not {weight.group_size}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
     kernel = choose_kernel(kernel, weight, dtype)
     if kernel == "native":
-        q8 = int8_activations(dtype, k)
+        q8 = activations == "int8" and int8_activations(dtype, k)
         if weight.bits == 8:
             return CpuPacked("native", 8, native_tiles(weight.qweight, 8), native_scale_tiles(weight.scales).view(-1, 8),
                              None, k, dtype, (n, k), q8)
         assert weight.mins is not None  # int4 weights carry mins (QuantizedWeight checks it)
-        return CpuPacked("native", 4, native_tiles(unpack_int4(weight.qweight), 4), native_scale_tiles(weight.scales),
-                         native_scale_tiles(weight.mins), weight.group_size, dtype, (n, k), q8)
+        scales, mins = native_scale_tiles(weight.scales), native_scale_tiles(weight.mins)
+        half = q8 and native.q8_kernel() == "avx2"
+        return CpuPacked("native", 4, native_tiles(unpack_int4(weight.qweight), 4), scales, mins, weight.group_size,
+                         dtype, (n, k), q8, scales.half() if half else None, mins.half() if half else None)
     if weight.bits == 8:
         scales = weight.scales.reshape(n).to(dtype).contiguous()
         return CpuPacked("torch", 8, weight.qweight.contiguous(), scales, None, k, dtype, (n, k))
@@ -196,8 +213,9 @@ def rounds_activations(packed: CpuPacked) -> bool:
 
 
 def int8_activations(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether native row kernels for activations of `dtype` take x as int8 (the *_matmul_q8 ops)."""
-    return dtype == torch.bfloat16 and in_features % 32 == 0 and native.vnni()
+    """Whether native row kernels for activations of `dtype` can take x as int8 (the *_matmul_q8 ops: every
+    CPU the native library builds on has one, AVX512-VNNI's or AVX2's)."""
+    return dtype in (torch.bfloat16, torch.float32) and in_features % 32 == 0 and native.q8_kernel() is not None
 
 
 def dequantize_native(packed: CpuPacked) -> torch.Tensor:
@@ -219,6 +237,9 @@ def row_kernel(packed: CpuPacked, rounded: bool) -> Callable[[torch.Tensor], tor
     if packed.bits == 8:
         op = ops.int8_matmul_q8 if rounded else ops.int8_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, n=n)
+    elif rounded and packed.q8_scales is not None:
+        run = functools.partial(ops.int4_matmul_q8.default, qweight=packed.weight, scales=packed.q8_scales,
+                                mins=packed.q8_mins, n=n, group=packed.group_size)
     else:
         op = ops.int4_matmul_q8 if rounded else ops.int4_matmul
         run = functools.partial(op.default, qweight=packed.weight, scales=packed.scales, mins=packed.mins, n=n,

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 FLOAT_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 """Row counts tried for the float row kernels (prefill on bf16; every step on fp32)."""
 Q8_ROWS = (16, 32, 48, 64, 96, 128, 192, 256)
-"""Row counts tried for the int8-activation kernels (decode steps of bf16 models on AVX512-VNNI)."""
+"""Row counts tried for the int8-activation kernels (decode steps of quantized models)."""
 MAX_LAYERS = 12  # their int8 weights (42 MB for the default model) outgrow a 2-core host's cache share
 ROUNDS = 3
 

@@ -1,5 +1,5 @@
 """The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `head_ops.cpp`,
-`quantized_matmul.cpp` and `quantized_vnni.cpp`, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
+`quantized_matmul.cpp`, `quantized_q8.cpp` with its two kernels, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
 read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 
 `load()` builds (once per machine) and loads the library, and says whether the ops exist; when the
@@ -21,8 +21,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
   (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py);
-- `int4_matmul_q8` / `int8_matmul_q8` (same arguments): the same products with x quantized to int8 per
-  block of 32, on AVX512-VNNI integer multiply-adds (`quantized_vnni.cpp`; where `vnni()` says so).
+- `int4_matmul_q8` / `int8_matmul_q8` (same arguments, and `kernel="auto"`): the same products with x
+  quantized to int8 per block of 32, on integer multiply-adds (`quantized_q8.cpp`: AVX512-VNNI's in
+  `quantized_vnni.cpp` where the CPU has them, else AVX2's in `quantized_avx2.cpp`; `q8_kernel()` says which).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
 extends (prefill chunks) run on the torch CPU path.
@@ -49,7 +50,7 @@ KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16,
                    torch.bfloat16: (torch.bfloat16, torch.int8)}
 """For each compute dtype, the cache dtypes the attention ops read and write."""
 
-__all__ = ["covers", "decode_step", "extend_step", "is_loaded", "load", "store_kv", "unavailable_reason", "vnni"]
+__all__ = ["covers", "decode_step", "extend_step", "is_loaded", "load", "q8_kernel", "store_kv", "unavailable_reason"]
 
 _loaded = False
 """Set once `load()` has loaded the library into this process (read by `is_loaded`, which never builds)."""
@@ -87,9 +88,10 @@ def unavailable_reason() -> str | None:
 
 
 @cache
-def vnni() -> bool:
-    """Whether the *_matmul_q8 ops run here: the library is loaded and the CPU has AVX512-VNNI."""
-    return load() and bool(torch.ops.tollway_cpu.vnni_available())
+def q8_kernel() -> str | None:
+    """Which kernel runs the *_matmul_q8 ops here: "vnni" (AVX512-VNNI) or "avx2" (every other CPU the
+    library builds on); None where the library cannot be loaded."""
+    return str(torch.ops.tollway_cpu.q8_kernel()) if load() else None
 
 
 def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype,

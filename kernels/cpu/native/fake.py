@@ -41,11 +41,11 @@ def register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(f"{lib}::int4_matmul_q8")
-    def _int4_matmul_q8(x, qweight, scales, mins, n, group):  # type: ignore[no-untyped-def]
+    def _int4_matmul_q8(x, qweight, scales, mins, n, group, implementation="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(f"{lib}::int8_matmul_q8")
-    def _int8_matmul_q8(x, qweight, scales, n):  # type: ignore[no-untyped-def]
+    def _int8_matmul_q8(x, qweight, scales, n, implementation="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(f"{lib}::refine_top_logits")

@@ -1,5 +1,5 @@
-// Weight-only quantized matmuls with int8 activations on AVX512-VNNI (issue 22), registered as
-// torch.ops.tollway_cpu.int4_matmul_q8 / int8_matmul_q8, and tollway_cpu::vnni_available.
+// Weight-only quantized matmuls with int8 activations on AVX512-VNNI (issue 22): tollway_q8::vnni_matmul, which
+// torch.ops.tollway_cpu.int4_matmul_q8 / int8_matmul_q8 run where the CPU has VNNI (quantized_q8.cpp).
 //
 // The weights are quantized_matmul.cpp's tiles, as they are. x [M, K] (fp32 or bf16; y in x's dtype)
 // is quantized per row and block of 32 columns to int8, llama.cpp's Q8_0 way: dx = max |x_blk| / 127,
@@ -8,8 +8,7 @@
 // conversion and one multiply-add per 16 lanes per block, against quantized_matmul.cpp's conversion,
 // scale multiply and multiply-add per 16 weights. The error this adds is x's rounding to 7 bits plus
 // sign per block, the order of bf16's own (8 bits per value); so the caller takes this path in decode
-// steps of bf16 models only (kernels/quantized/cpu.py `decode_step`): prefill, prompt logprobs and fp32
-// models keep the exact kernels.
+// steps only (kernels/quantized/cpu.py `decode_step`): prefill and prompt logprobs keep the exact kernels.
 //
 // Lane layout. A weight tile block holds 8 rows x 16 bytes; rows 4h .. 4h + 3 (a "quad") are 64
 // adjacent bytes, one 512-bit load whose 128-bit lane j is row 4h + j. For int4 that load's low
@@ -21,11 +20,12 @@
 //         (codes 0..15 are the unsigned operand; xsum exact, from x itself).
 //   int8: codes w are signed: w ^ 0x80 = w + 128 is the unsigned operand, so
 //         y[m, n] = scale[n] (sum_b dx[m, b] isum'[m, n, b] - 128 sum_b dx[m, b] sum_{k in b} xq[m, k]).
+#include "quantized_q8.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -33,17 +33,9 @@
 
 namespace {
 
-constexpr int64_t kTile = 8;     // output rows per weight tile (quantized_matmul.cpp)
-constexpr int64_t kXBlock = 32;  // x columns per activation scale
+using tollway_q8::kTile;
+using tollway_q8::kXBlock;
 constexpr int64_t kMaxRows = 8;  // rows of x per pass over a tile: 8 x 2 accumulators (of 32 registers)
-
-bool vnni_available() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
 
 #if defined(CPU_CAPABILITY_AVX512)
 #define TOLLWAY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -220,56 +212,33 @@ TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, c
 }
 #endif
 
-at::Tensor matmul_q8_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor* mins, int64_t N, int64_t group, bool int4, const char* op) {
-  TORCH_CHECK(vnni_available(), op, ": this CPU has no AVX512-VNNI (check tollway_cpu.vnni_available())");
-  const int64_t K = int4 ? qweight.size(1) / 4 : qweight.size(1) / kTile;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.size(0) == (N + kTile - 1) / kTile, op,
-              ": qweight must be contiguous tiles for ", N, " rows");
-  TORCH_CHECK(qweight.scalar_type() == (int4 ? at::kByte : at::kChar), op, ": qweight has the wrong dtype");
-  TORCH_CHECK(K % kXBlock == 0, op, ": K must be a multiple of 32, got ", K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be [M, ", K, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be fp32 or bf16");
-  const int64_t per_tile = int4 ? (K / group) * kTile : kTile;
-  TORCH_CHECK(!int4 || (group % kXBlock == 0 && K % group == 0), op, ": group must be a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == qweight.size(0) * per_tile,
-              op, ": scales must be contiguous fp32 tiles");
-  TORCH_CHECK(!int4 || (mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == scales.numel()),
-              op, ": mins must be contiguous fp32 tiles as the scales");
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
+}  // namespace
+
+namespace tollway_q8 {
+
+bool vnni_available() {
 #if defined(CPU_CAPABILITY_AVX512)
-  const at::Tensor xc = x.contiguous();
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+void vnni_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
+                 int64_t N, int64_t group, bool int4, at::Tensor& out) {
+#if defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kFloat) {
-    const QuantizedRows q = quantize_rows<float>(xc, group, int4);
+    const QuantizedRows q = quantize_rows<float>(x, group, int4);
     int4 ? matmul_q8<float, true>(q, qweight, scales, mins, N, group, out)
          : matmul_q8<float, false>(q, qweight, scales, mins, N, group, out);
   } else {
-    const QuantizedRows q = quantize_rows<c10::BFloat16>(xc, group, int4);
+    const QuantizedRows q = quantize_rows<c10::BFloat16>(x, group, int4);
     int4 ? matmul_q8<c10::BFloat16, true>(q, qweight, scales, mins, N, group, out)
          : matmul_q8<c10::BFloat16, false>(q, qweight, scales, mins, N, group, out);
   }
+#else
+  TORCH_CHECK(false, "the VNNI kernels are built with AVX512 only");
 #endif
-  return out;
 }
 
-at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const at::Tensor& mins, int64_t N, int64_t group) {
-  return matmul_q8_op(x, qweight, scales, &mins, N, group, true, "int4_matmul_q8");
-}
-
-at::Tensor int8_matmul_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t N) {
-  return matmul_q8_op(x, qweight, scales, nullptr, N, qweight.size(1) / kTile, false, "int8_matmul_q8");
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
-  m.def("int4_matmul_q8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int n, int group) -> Tensor");
-  m.def("int8_matmul_q8(Tensor x, Tensor qweight, Tensor scales, int n) -> Tensor");
-  m.def("vnni_available() -> bool", &vnni_available);  // no tensor arguments: one kernel for every key
-}
-
-TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
-  m.impl("int4_matmul_q8", &int4_matmul_q8);
-  m.impl("int8_matmul_q8", &int8_matmul_q8);
-}
+}  // namespace tollway_q8

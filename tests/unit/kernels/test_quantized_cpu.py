@@ -2,6 +2,7 @@
 same product as dequantize() + F.linear within the rounding of the op's dtype; clear errors."""
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _weight(bits: int, n: int, k: int, group_size: int, seed: int) -> QuantizedW
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64), (4, 128)])
 @pytest.mark.parametrize("m", [1, 5, 15, 32, 70, 130])  # native: row kernel (passes of up to 8 rows + rest) up to
 # dequantize_from_rows (16 to 1024 by dtype, bits and kernel), dequantize + GEMM from there
-@pytest.mark.parametrize("in_decode_step", [False, True])  # bf16 on AVX512-VNNI: x rounded to int8 in decode steps
+@pytest.mark.parametrize("in_decode_step", [False, True])  # native: x rounded to int8 in decode steps
 def test_cpu_matmul_matches_dequantize_then_linear(kernel: str, dtype: torch.dtype, bits: int,
                                                     group_size: int | None, m: int, in_decode_step: bool) -> None:
     n, k = (99 if kernel == "native" else 96), 256  # native: tiles of 8 and 4 weight rows, single-row tails
@@ -74,33 +75,47 @@ def _q8_rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.where(steps > 0, torch.round(x.float() / torch.where(steps > 0, steps, 1)), 0) * steps
 
 
+@pytest.mark.parametrize(("q8_kernel", "bits", "group_size", "half_scales"), [
+    (kernel, bits, group, half) for kernel in ("avx2", "vnni") for bits, group in ((8, None), (4, 32), (4, 64))
+    for half in (False, True) if not half or (bits == 4 and kernel == "avx2")])  # fp16 tiles: int4 on AVX2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 32), (4, 64)])
-def test_q8_kernels_are_the_dequantized_product_of_x_rounded_per_block(dtype: torch.dtype, bits: int,
+def test_q8_kernels_are_the_dequantized_product_of_x_rounded_per_block(q8_kernel: str, half_scales: bool,
+                                                                      dtype: torch.dtype, bits: int,
                                                                       group_size: int | None) -> None:
     """The *_matmul_q8 ops compute (x rounded to int8 per block of 32) @ W.T exactly but for fp32
-    summation order; int4's min term takes x itself. Where the CPU has no AVX512-VNNI they refuse and
-    no packing chooses them."""
+    summation order; int4's min term takes x itself. Both kernels: AVX2's wherever the library builds
+    (int4 also on fp16 scale and min tiles: then W is theirs), AVX512-VNNI's where the CPU has it (elsewhere
+    it refuses). Packings allow them in both dtypes unless made with activations="float"."""
     if not native.load():
         unavailable(str(native.unavailable_reason()))
     n, k = 99, 320  # tiles of 8 rows with a tail of 3; 10 blocks of 32
     weight = _weight(bits, n, k, group_size or k, seed=7)
-    packed = pack_for_cpu(weight, torch.bfloat16, "native")
-    assert packed.int8_activations == native.vnni()
-    assert not pack_for_cpu(weight, torch.float32, "native").int8_activations  # fp32 models: the exact kernels
+    if bits == 8:  # the most negative code (a GGUF Q8_0 block may hold it): |w| = 128 as the unsigned operand
+        weight.qweight[:5, :40] = -128
+    packed = pack_for_cpu(weight, dtype, "native")
+    assert packed.int8_activations
+    assert not pack_for_cpu(weight, dtype, "native", activations="float").int8_activations
+
+    assert (packed.q8_scales is not None) == (bits == 4 and native.q8_kernel() == "avx2")
+    tile_scales, tile_mins = packed.scales, packed.mins
+    if half_scales:
+        assert tile_mins is not None and weight.mins is not None
+        tile_scales, tile_mins = tile_scales.half(), tile_mins.half()
+        weight = replace(weight, scales=weight.scales.half().float(), mins=weight.mins.half().float())
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if bits == 8:
-            return torch.ops.tollway_cpu.int8_matmul_q8(x, packed.weight, packed.scales, n)
-        return torch.ops.tollway_cpu.int4_matmul_q8(x, packed.weight, packed.scales, packed.mins, n, packed.group_size)
+            return torch.ops.tollway_cpu.int8_matmul_q8(x, packed.weight, packed.scales, n, q8_kernel)
+        return torch.ops.tollway_cpu.int4_matmul_q8(x, packed.weight, tile_scales, tile_mins, n, packed.group_size,
+                                                    q8_kernel)
 
-    if not native.vnni():
+    if q8_kernel == "vnni" and native.q8_kernel() != "vnni":
         with pytest.raises(RuntimeError, match="AVX512-VNNI"):
             run(torch.randn(1, k))
         return
     w = dequantize(weight)
     mins = None if weight.mins is None else weight.mins.float().repeat_interleave(weight.group_size, dim=1)
-    for m in range(1, 10):  # passes of 4 rows and every remainder
+    for m in range(1, 10):  # passes of 4 (AVX2) or 8 (VNNI) rows and every remainder
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
         x[0, 40:72] = 0  # a block of zeros: step 0
         x = x.to(dtype)
@@ -113,11 +128,22 @@ def test_q8_kernels_are_the_dequantized_product_of_x_rounded_per_block(dtype: to
         bound = BOUND[dtype] * (x.float().abs() @ w.abs().T) + 1e-5
         assert ((out.float() - expected).abs() <= bound).all(), (m, (out.float() - expected).abs().max())
         assert not torch.allclose(out.float(), x.float() @ w.T, atol=1e-4)  # x was really rounded
-        with decode_step():  # what cpu_matmul runs in a decode step; outside one, the float row kernel
-            assert torch.equal(cpu_matmul(x, packed), out)
+        if q8_kernel == native.q8_kernel() and half_scales == (packed.q8_scales is not None):
+            with decode_step():  # what cpu_matmul runs in a decode step; outside one, the float row kernel
+                assert torch.equal(cpu_matmul(x, packed), out)
         exact = (torch.ops.tollway_cpu.int8_matmul(x, packed.weight, packed.scales, n) if bits == 8 else
                  torch.ops.tollway_cpu.int4_matmul(x, packed.weight, packed.scales, packed.mins, n, packed.group_size))
         assert torch.equal(cpu_matmul(x, packed), exact)
+
+
+def test_q8_ops_refuse_an_unknown_kernel() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    packed = pack_for_cpu(_weight(8, 8, 32, 32, seed=1), torch.float32, "native")
+    with pytest.raises(RuntimeError, match="implementation must be auto, vnni or avx2"):
+        torch.ops.tollway_cpu.int8_matmul_q8(torch.randn(1, 32), packed.weight, packed.scales, 8, "sse")
+    with pytest.raises(ValueError, match="unknown activations 'int4'"):
+        pack_for_cpu(_weight(8, 8, 32, 32, seed=1), torch.float32, "native", activations="int4")
 
 
 def test_one_hot_rows_read_the_layout_s_weights_back(kernel: str) -> None:

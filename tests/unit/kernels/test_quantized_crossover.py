@@ -51,10 +51,13 @@ def test_calibrate_measures_each_kind_once_and_dequantize_from_rows_follows(monk
                 qcpu.pack_for_cpu(quantize_int8(w), torch.float32, "torch")]  # not native: not measured
     shipped = qcpu.dequantize_from_rows(packings[0], False)
     recorded = crossover.calibrate(packings)
-    assert set(recorded) == {(torch.float32, 8, False), (torch.float32, 4, False)}
+    # the float row kernels and the int8-activation ones of decode steps (every native packing allows them)
+    assert set(recorded) == {(torch.float32, bits, rounded) for bits in (8, 4) for rounded in (False, True)}
     for packed in packings[:2]:
-        rows = recorded[(torch.float32, packed.bits, False)]
-        assert rows in (*crossover.FLOAT_ROWS, 2 * crossover.FLOAT_ROWS[-1])
-        assert qcpu.dequantize_from_rows(packed, False) == rows
+        assert packed.int8_activations
+        for rounded, candidates in ((False, crossover.FLOAT_ROWS), (True, crossover.Q8_ROWS)):
+            rows = recorded[(torch.float32, packed.bits, rounded)]
+            assert rows in (*candidates, 2 * candidates[-1])
+            assert qcpu.dequantize_from_rows(packed, rounded) == rows
     assert shipped == qcpu.DEQUANTIZE_FROM_ROWS[(torch.float32, 8)]
     assert crossover.calibrate(packings) == {}  # once per process and kind
