@@ -93,7 +93,7 @@ class FakeWorker:
     def info(self) -> dict[str, Any]:
         """The real worker's `/internal/info` keys, with plausible idle values."""
         return {
-            "model": self.model, "dtype": "fake", "quantization": "none", "kv_cache_dtype": "fake", "context_length": self.context_length,
+            "model": self.model, "dtype": "fake", "quantization": "none", "quantized_activations": None, "kv_cache_dtype": "fake", "context_length": self.context_length,
             "block_size": self.block_size,
             "blocks": {"total": self.num_blocks, "free": self.num_blocks, "used": 0, "evictable": 0},
             "kv_utilization": None, "cache": {ns: dict(s) for ns, s in self.cache.items()},

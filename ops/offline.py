@@ -50,7 +50,8 @@ def load_named_model(settings: WorkerSettings, model: str, dtype: str, console: 
         quantized = "" if settings.quantization == "none" else f" ({settings.quantization})"
         with console.status(f"Loading {model}{quantized}…"):
             folder = resolve_named(settings, model, console.print)
-            return load_model(folder, resolve_dtype(dtype, device), device, settings.quantization)
+            return load_model(folder, resolve_dtype(dtype, device), device, settings.quantization,
+                              settings.quantized_activations)
     except (ModelNotFoundError, ModelFolderError, QuantizationError) as exc:
         raise click.ClickException(str(exc)) from exc
 

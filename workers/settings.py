@@ -26,6 +26,11 @@ class WorkerSettings(TracingSettings):
     """Weight-only quantization of the decoder's linear layers (embeddings and LM head stay in `dtype`):
     int8 one scale per output channel, int4 groups of 32 with scale and min; from a GGUF's own Q4_0/Q4_1
     (int4) or Q8_0 (int8) blocks where the model came from one (workers/models/quantize.py)."""
+    quantized_activations: Literal["int8", "float"] = "int8"
+    """What a quantized model's decode steps on a CPU take x as: int8 (rounded per row and block of 32 columns,
+    llama.cpp's Q8_0 way, so the products run as integer multiply-adds: AVX512-VNNI, else AVX2) or float (x as
+    it is: the dequantized model's results to summation order, slower). Prefill and prompt logprobs always
+    take x as it is (kernels/quantized/cpu.py)."""
     device: str = "auto"
     """Where the model runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda[:N]."""
     tensor_parallel_size: int = Field(default=1, ge=1)

@@ -5,8 +5,8 @@ the engine offline, and memory, per format (none / int8 / int4), in one run.
    down 1536->576) at M = 1, 8, 32 rows (`--rows`): `F.linear` on the plain weight, the prepacked
    `PackedLinear` the engine's native path uses (oneDNN bf16 / MKL fp32), and `QuantizedLinear`
    int8 and int4 on each CPU kernel (`torch`: `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`;
-   `native`: kernels/cpu/native/quantized_matmul.cpp; `q8`: its int8-activation form as decode steps of bf16
-   models run it on AVX512-VNNI, kernels/cpu/native/quantized_vnni.cpp); median us a call,
+   `native`: kernels/cpu/native/quantized_matmul.cpp; `q8`: its int8-activation form as decode steps
+   run it, kernels/cpu/native/quantized_q8.cpp: AVX512-VNNI's or AVX2's); median us a call,
    and the sum over the 30 layers' four projections (what one decode step spends in them); in the
    model dtype and fp32. Then the native kernel's two ways (row kernel, dequantize + GEMM) at M = 4..64.
 2. Per format, in a fresh process each (so RSS is that format's alone): load, then one request of

@@ -50,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")),
                         help="a TOLLWAY_HOME whose models/ holds the converted model")
-    parser.add_argument("--formats", default="none,int8,int4", help="TOLLWAY_QUANTIZATION values, none first")
+    parser.add_argument("--formats", default="none,int8,int4", help="TOLLWAY_QUANTIZATION values, none first; "
+                        "FORMAT:float or FORMAT:int8 sets TOLLWAY_QUANTIZED_ACTIVATIONS (default int8)")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (ops/bench/README.md builds one)")
     parser.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions; each system's best kept")
@@ -99,8 +100,10 @@ def main() -> None:
     best: dict[tuple[str, str], Run] = {}
     try:
         for fmt in args.formats:
-            stack = stacks[fmt] = TollwayStack(workdir / fmt, args.home, {
-                "TOLLWAY_QUANTIZATION": fmt, "TOLLWAY_DTYPE": args.dtype, "TOLLWAY_NUM_THREADS": str(args.threads)})
+            quantization, _, activations = fmt.partition(":")
+            stack = stacks[fmt] = TollwayStack(workdir / fmt.replace(":", "-"), args.home, {
+                "TOLLWAY_QUANTIZATION": quantization, "TOLLWAY_QUANTIZED_ACTIVATIONS": activations or "int8",
+                "TOLLWAY_DTYPE": args.dtype, "TOLLWAY_NUM_THREADS": str(args.threads)})
             servers[fmt] = (stack.base_url, stack.start())
         if args.llama_server is not None:
             gguf = BUILTIN_MODELS[MODEL].locate()

@@ -5,7 +5,7 @@ prefill step, then `--output` decode steps timed (output tok/s after the first t
 within a round, so each comparison is of runs minutes apart at most. A compiled mode's first round includes
 its compile (the batch-1 bucket at one context bucket): read the later rounds.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/single_stream.py --home .tollway [--formats none,int4] [--rounds 3]
+    PYTHONPATH=. .venv/bin/python ops/bench/single_stream.py --home .tollway [--formats none,int4,int4:float] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("TOLLWAY_HOME", ".tollway")))
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--formats", default="none,int4", help="TOLLWAY_QUANTIZATION values (comma-separated)")
+    parser.add_argument("--formats", default="none,int4", help="TOLLWAY_QUANTIZATION values (comma-separated), each "
+                        "with :float or :int8 for TOLLWAY_QUANTIZED_ACTIVATIONS (default int8), e.g. int4:float")
     parser.add_argument("--modes", default="off,decode", help="TOLLWAY_COMPILE values (comma-separated)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=40)
@@ -52,13 +53,14 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; CPU flags: {cpu_flags()}", flush=True)
     prompt = [1000 + i for i in range(args.prompt)]
     for fmt in args.formats.split(","):
-        loaded = load_model(folder, dtype, quantization=fmt)
+        quantization, _, activations = fmt.partition(":")
+        loaded = load_model(folder, dtype, quantization=quantization, activations=activations or "int8")
         for round_index in range(args.rounds):
             rates = []
             for mode in args.modes.split(","):
                 config = EngineConfig(max_batch_tokens=1024, kv_budget_bytes=256 * 2**20, compile=mode)
                 rates.append(f"{mode} {decode_rate(Engine(loaded, config), prompt, args.output):6.1f}")
-            print(f"  {fmt:5} round {round_index + 1}: " + "   ".join(rates) + " tok/s", flush=True)
+            print(f"  {fmt:10} round {round_index + 1}: " + "   ".join(rates) + " tok/s", flush=True)
 
 
 if __name__ == "__main__":

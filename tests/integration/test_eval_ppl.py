@@ -67,15 +67,16 @@ def test_quantized_perplexity_stays_near_the_unquantized(model_home: Path, monke
 
 
 @pytest.mark.slow
-def test_quantized_perplexity_in_decode_sized_bf16_steps_stays_near_the_unquantized(
-        model_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_perplexity_in_decode_sized_steps_stays_near_the_unquantized(
+        model_home: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
     """Steps of 8 rows run the quantized row kernels (below their dequantize thresholds), as decode steps
-    do: with x rounded to int8 per block where the CPU has AVX512-VNNI (kernels/cpu/native/quantized_vnni.cpp),
-    which the engine allows in decode steps only, so here every step is taken for one (`decode_step`).
+    do: with x rounded to int8 per block (kernels/cpu/native/quantized_q8.cpp: AVX512-VNNI or AVX2), which
+    the engine allows in decode steps only, so here every step is taken for one (`decode_step`).
     The bounds hold there too. (The test above runs whole-window steps: dequantize and one GEMM.)"""
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "8")
     with decode_step():
-        figures = {q: eval_ppl(model_home, monkeypatch, "--quantization", q, "--dtype", "bfloat16")
+        figures = {q: eval_ppl(model_home, monkeypatch, "--quantization", q, "--dtype", dtype)
                    for q in ("none", "int8", "int4")}
     assert {f["tokens"] for f in figures.values()} == {figures["none"]["tokens"]}
     assert figures["int8"]["perplexity"] <= 1.02 * figures["none"]["perplexity"]

@@ -286,6 +286,7 @@ class Engine:
             "model": self.name,
             "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
             "quantization": self.loaded.quantization,
+            "quantized_activations": self.loaded.activations if self.loaded.quantization != "none" else None,
             "kv_cache_dtype": str(self.runner.kv.keys[0].dtype).removeprefix("torch."),  # what the blocks hold
             "context_length": self.max_context,
             "block_size": stats.block_size,

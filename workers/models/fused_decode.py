@@ -101,6 +101,16 @@ def decode_layers(
     return _layers(model, input_ids, kv, slot_mapping, cos, sin, attend)
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _linear_call(module: torch.nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a projection runs on `rows` rows: a quantized layer's row kernel straight (QuantizedLinear.kernel_for:
+    no module call, no per-call checks; ~0.5 ms of a 12 ms int4 single-stream step on 2 cores), else the module."""
+    kernel_for = getattr(module, "kernel_for", None)
+    return kernel_for(rows) if kernel_for is not None else module
+
+
 Attend = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer, qkv [N, (Hq + 2 Hkv) D] rotated and stored, k_cache, v_cache) -> attention [N, Hq, D]."""
 
@@ -118,12 +128,13 @@ def _layers(
     normed = ops.add_rms_norm(residual, None, layers[0].input_norm.weight, layers[0].input_norm.eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv.keys[layer.layer_index], kv.values[layer.layer_index]
-        qkv = layer.qkv_proj(normed)
+        qkv_proj, o_proj, gate_up_proj, down_proj = (_linear_call(getattr(layer, name), n) for name in _PROJECTIONS)
+        qkv = qkv_proj(normed)
         ops.rotary_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, c.num_q_heads, c.num_kv_heads)
         attn = attend(layer, qkv, k_cache, v_cache)
-        normed = ops.add_rms_norm(residual, layer.o_proj(attn.view(n, -1)), layer.post_attention_norm.weight,
+        normed = ops.add_rms_norm(residual, o_proj(attn.view(n, -1)), layer.post_attention_norm.weight,
                                   layer.post_attention_norm.eps)
-        down = layer.down_proj(ops.silu_mul(layer.gate_up_proj(normed)))
+        down = down_proj(ops.silu_mul(gate_up_proj(normed)))
         if i + 1 < len(layers):
             nxt = layers[i + 1].input_norm
             normed = ops.add_rms_norm(residual, down, nxt.weight, nxt.eps)

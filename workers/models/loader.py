@@ -25,6 +25,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     quantization: str = "none"
     """none, int8 or int4: how the decoder projections are stored (workers/models/quantize.py)."""
+    activations: str = "int8"
+    """What the quantized projections' decode steps take x as on a CPU: int8 or float (kernels/quantized/cpu.py)."""
 
 
 def read_model_config(folder: Path) -> ModelConfig:
@@ -72,21 +74,24 @@ def eos_token_ids(folder: Path, config: ModelConfig) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none") -> LoadedModel:
+def load_model(folder: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none",
+               activations: str = "int8") -> LoadedModel:
     """Load weights (onto `device`), tokenizer and stop ids from a checked model folder; with
     `quantization` int8 or int4 the decoder projections are stored so (QuantizationError, a
-    ValueError, for an unknown name or a model whose shapes do not allow it)."""
+    ValueError, for an unknown name or a model whose shapes do not allow it), their decode steps
+    taking x as `activations` says (int8 or float: kernels/quantized/cpu.py `pack_for_cpu`)."""
     bits = check_quantization(quantization)
     check_model_folder(folder)
     config = read_model_config(folder)
     weights = read_weights(folder)
     model = load_weights(folder, config, dtype, device, weights)
     if bits:
-        quantize_model(model, weights, quantization, source_gguf(folder))
+        quantize_model(model, weights, quantization, source_gguf(folder), activations)
     return LoadedModel(
         folder=folder,
         model=model,
         tokenizer=TokenCodec.from_folder(folder),
         eos_token_ids=eos_token_ids(folder, config),
         quantization=quantization,
+        activations=activations,
     )

@@ -102,9 +102,10 @@ def from_gguf(gguf: GGUFLinears, layer: int, projection: str, bits: int, floats:
 
 
 def quantize_model(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], quantization: str,
-                   gguf_path: Path | None = None) -> QuantizationSummary:
+                   gguf_path: Path | None = None, activations: str = "int8") -> QuantizationSummary:
     """Replace every decoder projection of `model` by a QuantizedLinear of `quantization`, from
-    the source `weights` (Hugging Face names, as loaded) or the blocks of `gguf_path`."""
+    the source `weights` (Hugging Face names, as loaded) or the blocks of `gguf_path`; `activations`:
+    what their decode steps take x as on a CPU (kernels/quantized/cpu.py `pack_for_cpu`)."""
     bits = check_quantization(quantization)
     summary = QuantizationSummary(quantization)
     if bits == 0:
@@ -130,9 +131,10 @@ def quantize_model(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], qu
             else:
                 summary.from_gguf += 1
             old = getattr(layer, name)
-            setattr(layer, name, QuantizedLinear(weight, old.bias, model.dtype, model.device))
+            setattr(layer, name, QuantizedLinear(weight, old.bias, model.dtype, model.device,
+                                                  activations=activations))
     if model.device.type == "cpu" and native.load() and model.lm_head.bias is None:
-        model.lm_head = QuantizedHead(model.lm_head, model.dtype)
+        model.lm_head = QuantizedHead(model.lm_head, model.dtype, activations, bits)
     release_freed_heap()
     return summary
 

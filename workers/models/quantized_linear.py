@@ -29,7 +29,7 @@ from kernels.quantized.layout import QuantizedWeight
 
 class QuantizedLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", kernel: str = "auto") -> None:
+                 device: torch.device | str = "cpu", kernel: str = "auto", activations: str = "int8") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
@@ -40,7 +40,7 @@ class QuantizedLinear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.row_kernels: dict[bool, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         if self.device.type == "cpu":
-            self.packed = pack_for_cpu(weight, dtype, kernel)
+            self.packed = pack_for_cpu(weight, dtype, kernel, activations)
             # the decode step's calls, straight to the op: x as it is (False) or rounded to int8 (True)
             self.row_kernels = {rounded: row_kernel(self.packed, rounded)
                                 for rounded in (False, self.packed.int8_activations)}
@@ -48,6 +48,16 @@ class QuantizedLinear(nn.Module):
             self.quantized = QuantizedWeight(
                 bits=weight.bits, qweight=weight.qweight.to(self.device), scales=weight.scales.to(self.device),
                 mins=None if weight.mins is None else weight.mins.to(self.device), group_size=weight.group_size)
+
+    def kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What `forward` runs on a 2-D x of `rows` rows (the row kernel, its op bound, or forward itself), for a
+        caller that makes many such calls at once (the fused decode step: 120 a step for the default model)."""
+        if self.packed is not None and self.bias is None:
+            rounded = rounds_activations(self.packed)
+            run = self.row_kernels[rounded]
+            if run is not None and rows < dequantize_from_rows(self.packed, rounded):
+                return run
+        return self.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and self.bias is None:

@@ -166,7 +166,7 @@ def test_compiled_quantized_step_takes_the_decode_steps_kernels(tmp_path: Path) 
     got, codes = run_and_get_code(compiled.run, ids, decode_meta(tables, "native"), torch.arange(3))
     assert got is not None, compiled.failed
     assert any("int4_matmul" in code for code in codes)
-    assert any("int4_matmul_q8" in code for code in codes) == native.vnni()
+    assert any("int4_matmul_q8" in code for code in codes)  # decode steps round x to int8 (quantized_q8.cpp)
     torch.testing.assert_close(got.float(), eager.float(), atol=5e-2, rtol=5e-2)
 
 

@@ -1,6 +1,7 @@
-"""The int8 LM head of a quantized model (workers/models/quantized_head.py): the int8 copy for steps
-of a few rows, the float head beyond; its logits within int8's rounding, refined to the float head's
-where it matters (the top of each row); greedy tokens of the engine unchanged; the float head packed."""
+"""The LM head of a quantized model (workers/models/quantized_head.py): the int8 (or an int4 model's int4)
+copy for steps of a few rows, the float head beyond; its logits within the copy's rounding, refined to the
+float head's where it matters (the top of each row); greedy tokens of the engine unchanged; the float head
+packed."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from torch import nn
 
 from kernels.cpu import native
 from kernels.quantized.cpu import cpu_matmul
-from kernels.quantized.layout import dequantize, quantize_int8
+from kernels.quantized.layout import dequantize, quantize_int4, quantize_int8
 from tests.required import unavailable
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import load_model
 from workers.models.logits_refine import REFINED_TOP
 from workers.models.packed_linear import PackedLinear, packing_kind
-from workers.models.quantized_head import QUANTIZED_HEAD_MAX_ROWS, QuantizedHead, head_approximates
+from workers.models.quantized_head import (
+    HEAD_INT4_GROUP,
+    QUANTIZED_HEAD_MAX_ROWS,
+    QuantizedHead,
+    head_approximates,
+)
 from workers.models.tiny import write_tiny_model_folder
 from workers.wire.sampling import SamplingParams
 
@@ -65,31 +71,41 @@ def test_few_rows_run_the_int8_copy_and_more_rows_the_float_head(dtype: torch.dt
     assert not head_approximates(linear, 1)
 
 
-def test_logits_are_refined_to_the_float_heads_at_the_top_and_within_int8s_rounding_elsewhere(folder: Path) -> None:
+@pytest.mark.parametrize("bits", [8, 4])
+def test_logits_are_refined_to_the_float_heads_at_the_top_and_within_the_copy_s_rounding_elsewhere(
+        folder: Path, bits: int) -> None:
     reference = load_model(folder, torch.float32).model
     model = load_model(folder, torch.float32).model
-    model.lm_head = QuantizedHead(model.lm_head, torch.float32)
+    model.lm_head = QuantizedHead(model.lm_head, torch.float32, bits=bits)
     hidden = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 3
     got, expected = model.logits(hidden), reference.logits(hidden)
     top = expected.topk(REFINED_TOP // 4, dim=-1).indices
     torch.testing.assert_close(got.gather(1, top), expected.gather(1, top), atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    # elsewhere: |error| <= sum_k |h_k| * (that row's step / 2), the step max |w_row| / 127
+    # elsewhere: |error| <= sum_k |h_k| |w_nk - q_nk| (q: the copy's weight, int8 per row or int4 per group of 32)
     normed = reference.norm(hidden)
-    steps = reference.lm_head.weight.abs().amax(dim=1) / 127
-    bound = normed.abs().sum(dim=1, keepdim=True) * steps[None, :] / 2 + 1e-5
+    w = reference.lm_head.weight.float()
+    q = quantize_int8(w) if bits == 8 else quantize_int4(w, HEAD_INT4_GROUP)
+    rounding = (w - dequantize(q)).abs()
+    if bits == 8:  # at most half of each row's step, max |w_row| / 127
+        assert (rounding <= w.abs().amax(dim=1, keepdim=True) / 254 + 1e-7).all()
+    bound = normed.abs() @ rounding.T + 1e-5
     assert ((got - expected).abs() <= bound).all()
-    assert (got - expected).abs().max() > 1e-4  # and the int8 copy did compute them
+    assert (got - expected).abs().max() > 1e-4  # and the copy did compute them
+    # the copy: under 0.3 (int8) or 0.25 (int4) of the fp32 head's bytes, with its scales (mins) and padded rows
+    assert model.lm_head.nbytes() < w.numel() * 4 * (0.3 if bits == 8 else 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_greedy_tokens_match_the_float_head_and_its_float_head_is_packed(folder: Path,
-                                                                                dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_greedy_tokens_match_the_float_head_and_its_float_head_is_packed(folder: Path, dtype: torch.dtype,
+                                                                                quantization: str) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs = []
     for quantized_head in (True, False):
-        loaded = load_model(folder, dtype, quantization="int8")
+        loaded = load_model(folder, dtype, quantization=quantization)
         assert isinstance(loaded.model.lm_head, QuantizedHead)
+        assert loaded.model.lm_head.packed.bits == int(quantization[-1])  # the head's copy is in the model's format
         if not quantized_head:
             loaded.model.lm_head = loaded.model.lm_head.float_head
         engine = Engine(loaded, EngineConfig(num_blocks=200, attention="native"))
