@@ -5,9 +5,11 @@ down_proj: ~80% of SmolLM2-135M's weight bytes once the tied embedding is counte
 embeddings and the float LM head stay in the model dtype: the head is tied to the embeddings in the
 built-in model (one tensor serves both), a row lookup gains nothing from a matmul kernel, and the
 logits refinement (`LlamaForCausalLM.logits`) reads exact `lm_head.weight` rows. On a CPU with the
-native kernels the head also gets an int8 copy for decode steps of a few rows, whose top logits that
-refinement makes exact (workers/models/quantized_head.py), in both formats: llama.cpp likewise keeps
-the built-in GGUF's tied head in 8 bits (Q8_0).
+native kernels the head also gets a copy in the format (int8, or int4 in groups of 32) for decode steps of
+a few rows, whose top logits that refinement makes exact (workers/models/quantized_head.py); llama.cpp
+keeps the built-in GGUF's tied head in 8 bits (Q8_0). The int4 copy reads 17 MB a token instead of 28 (6%
+of an int4 single stream on a 2-core AVX2 host); the logits outside the refined top are coarser (ops/bench/
+RESULTS.md, "Issue 22 on AVX2").
 
 - int8: symmetric, one scale per output channel (`quantize_int8`): error at most half a step,
   max |w_row| / 254, per weight.
