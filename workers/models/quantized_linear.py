@@ -49,22 +49,20 @@ class QuantizedLinear(nn.Module):
                 bits=weight.bits, qweight=weight.qweight.to(self.device), scales=weight.scales.to(self.device),
                 mins=None if weight.mins is None else weight.mins.to(self.device), group_size=weight.group_size)
 
-    def kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """What `forward` runs on a 2-D x of `rows` rows (the row kernel, its op bound, or forward itself), for a
-        caller that makes many such calls at once (the fused decode step: 120 a step for the default model)."""
-        if self.packed is not None and self.bias is None:
-            rounded = rounds_activations(self.packed)
-            run = self.row_kernels[rounded]
-            if run is not None and rows < dequantize_from_rows(self.packed, rounded):
-                return run
-        return self.forward
+    def row_kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The row kernel (its op, weight bound) that `forward` runs on a 2-D x of `rows` rows, or None where
+        forward takes another way; for a caller making many such calls at once (the fused decode step: 120 a
+        step for the default model), which then skips the module call and these checks."""
+        if self.packed is None or self.bias is not None:
+            return None
+        rounded = rounds_activations(self.packed)
+        run = self.row_kernels[rounded]
+        return run if run is not None and rows < dequantize_from_rows(self.packed, rounded) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and self.bias is None:
-            rounded = rounds_activations(self.packed)
-            run = self.row_kernels[rounded]
-            if run is not None and x.shape[0] < dequantize_from_rows(self.packed, rounded):
-                return run(x)
+        run = self.row_kernel_for(x.shape[0]) if x.dim() == 2 else None
+        if run is not None:
+            return run(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if self.packed is not None:
