@@ -144,10 +144,11 @@ def test_varied_batch_sizes_compile_once_per_bucket(tmp_path: Path, backend: str
 
 @pytest.mark.slow
 def test_compiled_quantized_step_takes_the_decode_steps_kernels(tmp_path: Path) -> None:
-    """An int4 model's compiled step runs the kernels an eager decode step runs: on AVX512-VNNI the
-    int8-activation ones (whose choice is read while tracing, kernels/quantized/cpu.in_decode_step),
-    elsewhere the float row kernel; its logits are the eager decode step's to bf16 rounding."""
+    """An int4 model's compiled step runs the kernels an eager decode step runs: the int8-activation ones
+    (AVX512-VNNI's or AVX2's, chosen while tracing, kernels/quantized/cpu.in_decode_step); its logits are
+    the eager decode step's to bf16 rounding where both refine them."""
     from kernels.quantized import cpu as quantized_cpu
+    from workers.models.logits_refine import REFINED_TOP
     from workers.models.tiny import write_tiny_model_folder
 
     if not native.load():
@@ -167,7 +168,12 @@ def test_compiled_quantized_step_takes_the_decode_steps_kernels(tmp_path: Path) 
     assert got is not None, compiled.failed
     assert any("int4_matmul" in code for code in codes)
     assert any("int4_matmul_q8" in code for code in codes)  # decode steps round x to int8 (quantized_q8.cpp)
-    torch.testing.assert_close(got.float(), eager.float(), atol=5e-2, rtol=5e-2)
+    # the head's int4 copy gives every logit, its top REFINED_TOP refined in fp32 (workers/models/quantized_head.py):
+    # well inside that set both agree to bf16 rounding; near its edge a logit may be refined in one and not the
+    # other (measured: eager's 58th largest, 0.36 apart), so the rest agree to the copy's rounding
+    top = eager.float().topk(REFINED_TOP // 4, dim=-1).indices
+    torch.testing.assert_close(got.float().gather(1, top), eager.float().gather(1, top), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got.float(), eager.float(), atol=1.0, rtol=5e-2)
 
 
 def test_compile_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
