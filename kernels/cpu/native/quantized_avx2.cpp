@@ -34,6 +34,7 @@ namespace {
 
 using tollway_q8::kTile;
 using tollway_q8::kXBlock;
+using tollway_q8::row_passes;
 constexpr int64_t kMaxRows = 4;  // rows of x per pass over a tile: 4 x 4 accumulators (spilling some of 16 registers)
 constexpr int64_t kPairs = kTile / 2;
 
@@ -191,14 +192,7 @@ void matmul(const QuantizedRows& q, int64_t M, int64_t K, const at::Tensor& qwei
           for (int64_t c = 0; c < valid; ++c) y[(m0 + r) * N + n0 + c] = static_cast<T>(row[c]);
         }
       };
-      int64_t m0 = 0;
-      for (; M - m0 >= kMaxRows; m0 += kMaxRows) pass.template operator()<kMaxRows>(m0);
-      switch (M - m0) {  // the last pass's rows
-        case 3: pass.template operator()<3>(m0); break;
-        case 2: pass.template operator()<2>(m0); break;
-        case 1: pass.template operator()<1>(m0); break;
-        default: break;
-      }
+      row_passes<kMaxRows>(M, pass);
     }
   });
 }

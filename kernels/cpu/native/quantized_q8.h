@@ -23,4 +23,25 @@ void avx2_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
 
 bool vnni_available();  // the CPU has AVX512-VNNI and the library was built with AVX512
 
+// pass.template operator()<R>(m0) for the rest of M rows from m0, R in [1, kRest] (no call when none are left).
+template <int64_t kRest, typename Pass>
+inline void last_pass(int64_t rest, int64_t m0, Pass& pass) {
+  if constexpr (kRest > 0) {
+    if (rest == kRest) {
+      pass.template operator()<kRest>(m0);
+    } else {
+      last_pass<kRest - 1>(rest, m0, pass);
+    }
+  }
+}
+
+// A kernel's passes over one weight tile: M rows of x in passes of kMaxRows rows (pass.template operator()<R>(m0)
+// handles rows m0 .. m0 + R - 1, its R accumulators in registers), the last pass with what is left.
+template <int64_t kMaxRows, typename Pass>
+inline void row_passes(int64_t M, Pass& pass) {
+  int64_t m0 = 0;
+  for (; M - m0 >= kMaxRows; m0 += kMaxRows) pass.template operator()<kMaxRows>(m0);
+  last_pass<kMaxRows - 1>(M - m0, m0, pass);
+}
+
 }  // namespace tollway_q8

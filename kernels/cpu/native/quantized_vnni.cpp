@@ -35,6 +35,7 @@ namespace {
 
 using tollway_q8::kTile;
 using tollway_q8::kXBlock;
+using tollway_q8::row_passes;
 constexpr int64_t kMaxRows = 8;  // rows of x per pass over a tile: 8 x 2 accumulators (of 32 registers)
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -195,18 +196,7 @@ TOLLWAY_VNNI void matmul_q8(const QuantizedRows& q, const at::Tensor& qweight, c
           }
         }
       };
-      int64_t m0 = 0;
-      for (; M - m0 >= kMaxRows; m0 += kMaxRows) pass.template operator()<kMaxRows>(m0);
-      switch (M - m0) {  // the last pass's rows
-        case 7: pass.template operator()<7>(m0); break;
-        case 6: pass.template operator()<6>(m0); break;
-        case 5: pass.template operator()<5>(m0); break;
-        case 4: pass.template operator()<4>(m0); break;
-        case 3: pass.template operator()<3>(m0); break;
-        case 2: pass.template operator()<2>(m0); break;
-        case 1: pass.template operator()<1>(m0); break;
-        default: break;
-      }
+      row_passes<kMaxRows>(M, pass);
     }
   });
 }
