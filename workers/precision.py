@@ -1,12 +1,32 @@
 """Choosing where the model runs and in what dtype: CUDA when there is one, else the CPU; bf16 where
-the hardware computes it natively, fp32 elsewhere."""
+the hardware computes it natively and faster than fp32, fp32 elsewhere."""
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from workers.models.packed_linear import PackedLinear, packing_kind
+
+log = logging.getLogger(__name__)
+
+BF16_MIN_SPEEDUP = 1.25
+"""`auto` takes bf16 on a CPU with AVX512-BF16 but no AMX only where the engine's bf16 GEMM runs at least this
+much faster than its fp32 one (`cpu_bf16_speedup`). The flag alone does not say: a bf16 dot product
+(`vdpbf16ps`) does twice an fp32 FMA's work on AMD Zen 4 (bf16 linears 2.4-3x fp32 on the project's EPYC
+hosts), but no more than it on Intel's AVX512-BF16 cores, where oneDNN's bf16 GEMM then loses to MKL's fp32
+one (0.6x at 256 rows on a 2-core Emerald Rapids VM; the shared-prefix workload offline 125 tok/s in bf16
+against 170 in fp32, ops/bench/RESULTS.md "auto picks fp32 on an Intel AVX512-BF16 host"). The margin keeps a
+noisy reading of a near tie from flipping the choice between starts."""
+SPEEDUP_SHAPE = (256, 1024, 1024)
+"""(rows, in, out) of the GEMM timed: compute-bound on both dtypes (537 MFLOP, ~5 ms on one core in fp32)."""
+SPEEDUP_ROUNDS = 3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -19,7 +39,7 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
     Measured on this project's 2-core AVX512-BF16 host (AMD EPYC, no AMX), SmolLM2-135M's linear
     layers: bf16 3.0x fp32 at M = 32 (271 vs 92 GFLOP/s) and 2.4x at M = 256 (`ops/bench/RESULTS.md`).
-    (An earlier host with the same flag measured no gain; the flag is still the documented rule.)"""
+    An Intel host with the same flag measured bf16 slower than fp32: see BF16_MIN_SPEEDUP."""
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -31,10 +51,73 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
+def cpu_has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU advertises AMX-BF16 tile matmuls (bf16 GEMMs far ahead of fp32 ones: no timing needed)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
+
+
+@cache
+def cpu_bf16_speedup() -> float:
+    """How much faster the engine's bf16 GEMM runs than its fp32 one on this CPU: the prepacked matmuls
+    of the decode step (workers/models/packed_linear.py) on SPEEDUP_SHAPE, best of SPEEDUP_ROUNDS rounds
+    alternating the dtypes. 0 where oneDNN has no native bf16 GEMM. About 0.1 s, once per process.
+
+    Timed on a thread of its own that then ends, taking its OpenMP pool with it: a pool left in the
+    caller's thread (which may be the one that loads the model) slows the engine thread's parallel regions
+    (measured: a worker's int4 single stream 35 tok/s instead of 86; workers/engine/async_engine.py)."""
+    bf16_kind, fp32_kind = packing_kind(torch.bfloat16), packing_kind(torch.float32)
+    if bf16_kind is None or fp32_kind is None:
+        return 0.0
+    kinds = {torch.float32: fp32_kind, torch.bfloat16: bf16_kind}
+    best = dict.fromkeys(kinds, math.inf)
+
+    def measure() -> None:
+        rows, k, n = SPEEDUP_SHAPE
+        gen = torch.Generator().manual_seed(0)
+        weight, x = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(rows, k, generator=gen)
+        calls = {}
+        for dtype, kind in kinds.items():
+            linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+            linear.weight.data.copy_(weight)
+            calls[dtype] = (PackedLinear(linear, kind, rows), x.to(dtype))
+        with torch.no_grad():
+            for packed, rows_in in calls.values():  # warm-up: oneDNN builds its kernel on the first call
+                packed(rows_in)
+            for _ in range(SPEEDUP_ROUNDS):
+                for dtype, (packed, rows_in) in calls.items():
+                    start = time.perf_counter()
+                    packed(rows_in)
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+
+    timer = threading.Thread(target=measure, name="bf16-speedup")
+    timer.start()
+    timer.join()
+    if math.isinf(best[torch.bfloat16]):
+        raise RuntimeError("timing the bf16 and fp32 GEMMs failed (see the thread's traceback above)")
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def cpu_prefers_bf16() -> bool:
+    """Whether `auto` runs a CPU model in bf16: AMX-BF16, or AVX512-BF16 whose GEMM measures BF16_MIN_SPEEDUP."""
+    if not cpu_has_native_bf16():
+        return False
+    if cpu_has_amx_bf16():
+        return True
+    speedup = cpu_bf16_speedup()
+    log.info("bf16 GEMM %.2fx fp32's on this CPU (AVX512-BF16, no AMX): dtype auto = %s", speedup,
+             "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32")
+    return speedup >= BF16_MIN_SPEEDUP
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """Map a --dtype choice to a torch dtype; `auto` picks bf16 on CUDA or bf16-capable CPUs."""
+    """Map a --dtype choice to a torch dtype; `auto` picks bf16 on CUDA, or on CPUs where it pays
+    (`cpu_prefers_bf16`), else fp32."""
     if name == "auto":
-        if device.startswith("cuda") or cpu_has_native_bf16():
+        if device.startswith("cuda") or cpu_prefers_bf16():
             return torch.bfloat16
         return torch.float32
     if name not in DTYPES:

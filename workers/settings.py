@@ -21,7 +21,8 @@ class WorkerSettings(TracingSettings):
     model: str = "smollm2-135m-instruct"
     """Built-in model name or path to a local Hugging Face folder."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and matmul dtype; auto = bf16 on CUDA or CPUs with AVX512-BF16 / AMX-BF16, else fp32."""
+    """Weights and matmul dtype; auto = bf16 on CUDA, on CPUs with AMX-BF16, and on CPUs with AVX512-BF16 whose bf16
+    GEMM measures >= 1.25x fp32's at start (workers/precision.py), else fp32."""
     quantization: Literal["none", "int8", "int4"] = "none"
     """Weight-only quantization of the decoder's linear layers (embeddings and LM head stay in `dtype`):
     int8 one scale per output channel, int4 groups of 32 with scale and min; from a GGUF's own Q4_0/Q4_1

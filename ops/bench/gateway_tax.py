@@ -16,7 +16,9 @@ event loop (its main thread), of its other threads (the engine's step loop and t
 gateway and of this load generator (from /proc), and per output token.
 
     .venv/bin/python -m ops.bench.gateway_tax [--rounds 2] [--groups 4 --per-group 8 --system 350
-        --question 30 --output 32] [--threads N] [--home .tollway]
+        --question 30 --output 32] [--quantization none|int8|int4] [--threads N] [--home .tollway]
+
+One stream (issue 22's single-stream workload): `--groups 1 --per-group 1 --system 20 --output 128`.
 
 All processes share this machine's cores: on a 2-core host the gateway and the load generator
 take CPU from the engine, which is part of the tax being measured.
@@ -111,7 +113,7 @@ async def online(args: argparse.Namespace, prompts_by_round: list[list[list[int]
         worker_url, gateway_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
         folder = resolve_model_folder(args.model, args.home)
         worker = Service("worker", ["-m", "ops.cli", "worker", "--model", str(folder), "--port",
-                                    worker_url.rsplit(":", 1)[1]], child_env(TOLLWAY_HOME=str(home), TOLLWAY_NUM_THREADS=str(args.threads)),
+                                    worker_url.rsplit(":", 1)[1], "--quantization", args.quantization], child_env(TOLLWAY_HOME=str(home), TOLLWAY_NUM_THREADS=str(args.threads)),
                          home / "worker.log")
         services.append(worker)
         gateway = Service("gateway", ["-m", "ops.cli", "gateway", "--port", gateway_url.rsplit(":", 1)[1]],
@@ -168,16 +170,20 @@ def main() -> None:
     parser.add_argument("--system", type=int, default=350)
     parser.add_argument("--question", type=int, default=30)
     parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                        help="the model's weights, offline and in the worker (TOLLWAY_QUANTIZATION)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of the engine, offline and in the worker (0 = every core)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     device = resolve_device("auto")
-    loaded = load_model(resolve_model_folder(args.model, args.home), resolve_dtype("auto", device), device)
+    loaded = load_model(resolve_model_folder(args.model, args.home), resolve_dtype("auto", device), device,
+                        quantization=args.quantization)
     rounds = [workload(True, args.groups, args.per_group, args.system, args.question, seed=100 + r)
               for r in range(args.rounds)]
     print(f"gateway tax: {len(rounds[0])} streamed requests at once, {args.groups} groups x {args.per_group}, "
-          f"system {args.system} + question {args.question} tokens, {args.output} output tokens; {args.rounds} rounds; "
+          f"system {args.system} + question {args.question} tokens, {args.output} output tokens, weights "
+          f"{args.quantization}; {args.rounds} rounds; "
           f"{os.cpu_count()} cores", flush=True)
     offline = []
 

@@ -5,10 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers import precision
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.rope import inverse_frequencies
 from workers.models.tiny import tiny_config
-from workers.precision import cpu_has_native_bf16, resolve_device, resolve_dtype
+from workers.precision import cpu_has_amx_bf16, cpu_has_native_bf16, resolve_device, resolve_dtype
 
 
 def test_rope_parameters_of_transformers_5_and_legacy_rope_theta_agree() -> None:
@@ -50,7 +51,7 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     assert resolve_dtype("float32") is torch.float32
     assert resolve_dtype("bfloat16") is torch.bfloat16
     assert resolve_dtype("auto", "cuda:0") is torch.bfloat16
-    assert resolve_dtype("auto") is (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert resolve_dtype("auto") is (torch.bfloat16 if precision.cpu_prefers_bf16() else torch.float32)
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8")
     fake = tmp_path / "cpuinfo"
@@ -62,6 +63,42 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     assert cpu_has_native_bf16.__wrapped__(fake) is False
     fake.write_text("flags\t\t: fpu sse avx2\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is False
+    assert cpu_has_amx_bf16(fake) is False
+    fake.write_text("processor: 0\nflags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_has_amx_bf16(fake) is True
+
+
+@pytest.mark.parametrize(("flags", "speedup", "bf16"), [
+    ("avx2", 3.0, False),  # no bf16 instructions: fp32, nothing timed
+    ("avx512_bf16 amx_bf16", 0.5, True),  # AMX: bf16, nothing timed
+    ("avx512_bf16", 2.4, True),  # bf16 dot products at twice fp32's work (AMD Zen 4)
+    ("avx512_bf16", 0.54, False),  # no faster than fp32 FMAs (Intel without AMX)
+    ("avx512_bf16", precision.BF16_MIN_SPEEDUP, True),
+    ("avx512_bf16", 1.1, False),  # a near tie keeps the exact dtype
+])
+def test_auto_takes_bf16_on_a_cpu_only_where_its_gemm_pays(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           flags: str, speedup: float, bf16: bool) -> None:
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(f"processor: 0\nflags\t\t: fpu sse avx2 {flags}\n")
+    timed: list[bool] = []
+
+    def measured() -> float:
+        timed.append(True)
+        return speedup
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu_has_native_bf16.__wrapped__(fake))
+    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: cpu_has_amx_bf16(fake))
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", measured)
+    assert resolve_dtype("auto") is (torch.bfloat16 if bf16 else torch.float32)
+    assert timed == ([True] if flags == "avx512_bf16" else [])  # timed only where the flags leave it open
+
+
+def test_bf16_speedup_is_measured_on_this_cpu() -> None:
+    """The engine's own packed GEMMs, timed: a positive ratio where oneDNN has a native bf16 GEMM, else 0."""
+    from workers.models.packed_linear import packing_kind
+
+    speedup = precision.cpu_bf16_speedup.__wrapped__()
+    assert (speedup > 0) == (packing_kind(torch.bfloat16) is not None) and speedup < 100
 
 
 def test_device_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
