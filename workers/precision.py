@@ -18,14 +18,13 @@ log = logging.getLogger(__name__)
 
 BF16_MIN_SPEEDUP = 1.25
 """`auto` takes bf16 on a CPU with AVX512-BF16 but no AMX only where the engine's bf16 GEMM runs at least this
-much faster than its fp32 one (`cpu_bf16_speedup`). The flag alone does not say: a bf16 dot product
-(`vdpbf16ps`) does twice an fp32 FMA's work on AMD Zen 4 (bf16 linears 2.4-3x fp32 on the project's EPYC
-hosts), but no more than it on Intel's AVX512-BF16 cores, where oneDNN's bf16 GEMM then loses to MKL's fp32
-one (0.6x at 256 rows on a 2-core Emerald Rapids VM; the shared-prefix workload offline 125 tok/s in bf16
-against 170 in fp32, ops/bench/RESULTS.md "auto picks fp32 on an Intel AVX512-BF16 host"). The margin keeps a
-noisy reading of a near tie from flipping the choice between starts."""
+much faster than its fp32 one (`cpu_bf16_speedup`). The flag alone does not say: bf16 linears ran 2.4-3x fp32 on
+the project's AMD EPYC hosts, but 0.6x at 256 rows on a 2-core Intel Emerald Rapids VM with the same flag (where
+the shared-prefix workload ran offline at 125 tok/s in bf16 against 170 in fp32; ops/bench/RESULTS.md "An Intel
+AVX512-BF16 host: `auto` picks fp32"). The margin keeps a noisy reading of a near tie from flipping the choice
+between starts."""
 SPEEDUP_SHAPE = (256, 1024, 1024)
-"""(rows, in, out) of the GEMM timed: compute-bound on both dtypes (537 MFLOP, ~5 ms on one core in fp32)."""
+"""(rows, in, out) of the GEMM timed: compute-bound in both dtypes (537 MFLOP a call)."""
 SPEEDUP_ROUNDS = 3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
