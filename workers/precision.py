@@ -65,9 +65,9 @@ def cpu_bf16_speedup() -> float:
     of the decode step (workers/models/packed_linear.py) on SPEEDUP_SHAPE, best of SPEEDUP_ROUNDS rounds
     alternating the dtypes. 0 where oneDNN has no native bf16 GEMM. About 0.1 s, once per process.
 
-    Timed on a thread of its own that then ends, taking its OpenMP pool with it: a pool left in the
-    caller's thread (which may be the one that loads the model) slows the engine thread's parallel regions
-    (measured: a worker's int4 single stream 35 tok/s instead of 86; workers/engine/async_engine.py)."""
+    Timed on a thread of its own, which then ends (with any OpenMP pool it made). Timed in the caller's thread
+    instead (a first version, at one torch thread), it slowed a worker's int4 single stream to 35 tok/s from 86:
+    presumably the thread-pool effect that workers/engine/async_engine.py describes."""
     bf16_kind, fp32_kind = packing_kind(torch.bfloat16), packing_kind(torch.float32)
     if bf16_kind is None or fp32_kind is None:
         return 0.0
@@ -97,7 +97,9 @@ def cpu_bf16_speedup() -> float:
     timer.join()
     if math.isinf(best[torch.bfloat16]):
         raise RuntimeError("timing the bf16 and fp32 GEMMs failed (see the thread's traceback above)")
-    return best[torch.float32] / best[torch.bfloat16]
+    speedup = best[torch.float32] / best[torch.bfloat16]
+    log.info("bf16 GEMM %.2fx fp32's on this CPU (dtype auto takes bf16 from %.2fx)", speedup, BF16_MIN_SPEEDUP)
+    return speedup
 
 
 def cpu_prefers_bf16() -> bool:
@@ -106,10 +108,7 @@ def cpu_prefers_bf16() -> bool:
         return False
     if cpu_has_amx_bf16():
         return True
-    speedup = cpu_bf16_speedup()
-    log.info("bf16 GEMM %.2fx fp32's on this CPU (AVX512-BF16, no AMX): dtype auto = %s", speedup,
-             "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32")
-    return speedup >= BF16_MIN_SPEEDUP
+    return cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
