@@ -32,6 +32,18 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (its first `flags` line); empty where it cannot be read."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 @cache
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU advertises bf16 dot products (AVX512-BF16) or bf16 tile matmuls (AMX-BF16).
@@ -39,24 +51,13 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     Measured on this project's 2-core AVX512-BF16 host (AMD EPYC, no AMX), SmolLM2-135M's linear
     layers: bf16 3.0x fp32 at M = 32 (271 vs 92 GFLOP/s) and 2.4x at M = 256 (`ops/bench/RESULTS.md`).
     An Intel host with the same flag measured bf16 slower than fp32: see BF16_MIN_SPEEDUP."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
 
 
+@cache
 def cpu_has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when the CPU advertises AMX-BF16 tile matmuls (bf16 GEMMs far ahead of fp32 ones: no timing needed)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
+    return "amx_bf16" in cpu_flags(cpuinfo)
 
 
 @cache

@@ -63,9 +63,9 @@ def test_dtype_resolution(tmp_path: Path) -> None:
     assert cpu_has_native_bf16.__wrapped__(fake) is False
     fake.write_text("flags\t\t: fpu sse avx2\n")
     assert cpu_has_native_bf16.__wrapped__(fake) is False
-    assert cpu_has_amx_bf16(fake) is False
+    assert cpu_has_amx_bf16.__wrapped__(fake) is False
     fake.write_text("processor: 0\nflags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
-    assert cpu_has_amx_bf16(fake) is True
+    assert cpu_has_amx_bf16.__wrapped__(fake) is True
 
 
 @pytest.mark.parametrize(("flags", "speedup", "bf16"), [
@@ -87,7 +87,7 @@ def test_auto_takes_bf16_on_a_cpu_only_where_its_gemm_pays(monkeypatch: pytest.M
         return speedup
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: cpu_has_native_bf16.__wrapped__(fake))
-    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: cpu_has_amx_bf16(fake))
+    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: cpu_has_amx_bf16.__wrapped__(fake))
     monkeypatch.setattr(precision, "cpu_bf16_speedup", measured)
     assert resolve_dtype("auto") is (torch.bfloat16 if bf16 else torch.float32)
     assert timed == ([True] if flags == "avx512_bf16" else [])  # timed only where the flags leave it open
