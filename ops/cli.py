@@ -117,7 +117,7 @@ def gateway(host: str | None, port: int | None) -> None:
               help="0 is greedy.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
-              help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
+              help="auto = bf16 on a GPU, or a CPU where it measures faster than fp32 [default: TOLLWAY_DTYPE].")
 @click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help=TENSOR_PARALLEL_HELP)
 @click.argument("prompt")
@@ -148,7 +148,7 @@ def generate(
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default=None,
-              help="auto = bf16 where the CPU/GPU computes it natively [default: TOLLWAY_DTYPE].")
+              help="auto = bf16 on a GPU, or a CPU where it measures faster than fp32 [default: TOLLWAY_DTYPE].")
 @click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default=None, help=QUANTIZATION_HELP)
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None, help=TENSOR_PARALLEL_HELP)
 @click.option("--served-name", default=None,

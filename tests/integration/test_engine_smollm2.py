@@ -95,7 +95,7 @@ def test_bf16_teacher_forced_agreement(fp32, smollm2_folder, prompts, hf_greedy)
 
 @pytest.fixture(scope="module")
 def auto(smollm2_folder: Path, fp32: LoadedModel) -> LoadedModel:
-    """The model at the default precision (`auto`: bf16 where the CPU computes it natively)."""
+    """The model at the default precision (`auto`: bf16 where the CPU computes it faster than fp32)."""
     dtype = resolve_dtype("auto", "cpu")
     return fp32 if dtype == torch.float32 else load_model(smollm2_folder, dtype)
 

@@ -66,7 +66,7 @@ def fp32_agreement(fp32: LoadedModel, prompts: list[list[int]],  # noqa: F811
 @pytest.mark.parametrize("regime", ["chunked", "prefix-hits", "preempting"])
 def test_int8_cache_at_the_default_precision_tracks_fp32(fp32: LoadedModel, smollm2_folder: Path,
                                                          prompts: list[list[int]], regime: str) -> None:  # noqa: F811
-    """What users would run: `auto` precision (bf16 where the CPU computes it natively) with an int8 cache."""
+    """What users would run: `auto` precision (bf16 where the CPU computes it faster than fp32) with an int8 cache."""
     dtype = resolve_dtype("auto", "cpu")
     model = fp32 if dtype == torch.float32 else load_model(smollm2_folder, dtype)
     base = REGIMES[regime]

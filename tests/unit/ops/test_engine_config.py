@@ -1,5 +1,5 @@
 """`ops.offline.engine_config`: the KV cache dtype is checked against the dtype the command was
-given (`--dtype`), not the settings' default (`auto` is bf16 on a CPU that computes it natively)."""
+given (`--dtype`), not the settings' default (`auto` is bf16 on a CPU that computes it faster than fp32)."""
 
 from __future__ import annotations
 
