@@ -256,6 +256,11 @@ def record_crossover(dtype: torch.dtype, bits: int, rounded: bool, rows: int) ->
     _MEASURED[(dtype, bits, rounded)] = rows
 
 
+def crossover_state() -> frozenset[tuple[tuple[torch.dtype, int, bool], int]]:
+    """The crossovers measured so far in this process (what `dequantize_from_rows` reads), as a hashable value."""
+    return frozenset(_MEASURED.items())
+
+
 def measured_crossover(dtype: torch.dtype, bits: int, rounded: bool) -> int | None:
     return _MEASURED.get((dtype, bits, rounded))
 

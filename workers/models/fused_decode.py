@@ -11,6 +11,10 @@ Per layer, on a batch of B decode tokens (one per sequence), with the residual s
     normed = add_rms_norm(residual, down_proj(silu_mul(gate_up_proj(normed))))
              with the NEXT layer's input norm (the last layer's residual add stands alone)
 
+An all-decode step runs these layers as one native call (`decode_layers` of the C++ library, from the plan
+of workers/models/layer_plan.py: the same ops, bit-equal, without ~9 Python op calls per layer); the
+Python loop `_layers` serves torch.compile's trace and steps the plan does not cover.
+
 A step with prefill chunks or drafts (`step_hidden`) runs the same ops on all its tokens; only the
 extending sequences' attention differs: `native.extend_step` over their rotated q, k, v views of qkv.
 
@@ -28,6 +32,7 @@ import torch
 from cache.kv_storage import KVStorage
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
+from workers.models.layer_plan import PROJECTIONS, linear_call, plan_for
 
 if TYPE_CHECKING:
     from workers.models.llama import DecoderLayer, LlamaForCausalLM
@@ -52,9 +57,17 @@ def decode_hidden(
     cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:
     """The fp32 hidden states [B, H] after the last layer (before the final norm) of a decode step;
-    writes each token's K/V. cos/sin: [B, 1, D] in the model dtype, as `RotaryTable.gather` gives."""
-    return decode_layers(model, input_ids, kv, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                         cos.squeeze(1), sin.squeeze(1))
+    writes each token's K/V. cos/sin: [B, 1, D] in the model dtype, as `RotaryTable.gather` gives.
+    Eagerly the layers run as one native call (workers/models/layer_plan.py) where every projection has a
+    kind there, else (and under torch.compile) the Python loop of `decode_layers`."""
+    plan = None if torch.compiler.is_compiling() else plan_for(model, input_ids.shape[0])
+    if plan is None:
+        return decode_layers(model, input_ids, kv, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                             cos.squeeze(1), sin.squeeze(1))
+    residual = model.embed_tokens(input_ids).float()  # [B, H], owned by this step
+    plan.run(residual, kv, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, meta.block_tables, meta.context_lens,
+             model)
+    return residual
 
 
 def step_hidden(
@@ -101,17 +114,6 @@ def decode_layers(
     return _layers(model, input_ids, kv, slot_mapping, cos, sin, attend)
 
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def _linear_call(module: torch.nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What a projection runs on `rows` rows: a quantized layer's row kernel straight (QuantizedLinear.row_kernel_for:
-    no module call, no per-call checks; ~0.5 ms of a 12 ms int4 single-stream step on 2 cores), else the module."""
-    row_kernel_for = getattr(module, "row_kernel_for", None)
-    run = row_kernel_for(rows) if row_kernel_for is not None else None
-    return run if run is not None else module
-
-
 Attend = Callable[["DecoderLayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer, qkv [N, (Hq + 2 Hkv) D] rotated and stored, k_cache, v_cache) -> attention [N, Hq, D]."""
 
@@ -129,7 +131,7 @@ def _layers(
     normed = ops.add_rms_norm(residual, None, layers[0].input_norm.weight, layers[0].input_norm.eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache = kv.keys[layer.layer_index], kv.values[layer.layer_index]
-        qkv_proj, o_proj, gate_up_proj, down_proj = (_linear_call(getattr(layer, name), n) for name in _PROJECTIONS)
+        qkv_proj, o_proj, gate_up_proj, down_proj = (linear_call(getattr(layer, name), n) for name in PROJECTIONS)
         qkv = qkv_proj(normed)
         ops.rotary_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, c.num_q_heads, c.num_kv_heads)
         attn = attend(layer, qkv, k_cache, v_cache)

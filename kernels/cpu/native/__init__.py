@@ -1,4 +1,4 @@
-"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `head_ops.cpp`,
+"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `layer_stack.cpp`, `head_ops.cpp`,
 `quantized_matmul.cpp`, `quantized_q8.cpp` with its two kernels, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
 read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 
@@ -24,6 +24,11 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `int4_matmul_q8` / `int8_matmul_q8` (same arguments, and `kernel="auto"`): the same products with x
   quantized to int8 per block of 32, on integer multiply-adds (`quantized_q8.cpp`: AVX512-VNNI's in
   `quantized_vnni.cpp` where the CPU has them, else AVX2's in `quantized_avx2.cpp`; `q8_kernel()` says which).
+
+- `decode_layers(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, tensors, ints,
+  floats, Hq, Hkv, D)`: an all-decode step's decoder stack in one call, the ops above in the order of
+  workers/models/fused_decode.py's loop and each projection's kernel (plain, MKL/oneDNN packed, the quantized
+  row kernels) called from C++, from the flat plan workers/models/layer_plan.py builds (`layer_stack.cpp`).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
 extends (prefill chunks) run on the torch CPU path.

@@ -8,8 +8,8 @@
 // Every op computes in fp32 and rounds to the tensor dtype (fp32 or bf16) where torch's eager ops
 // of the Python path round, so fp32 results match that path to the last bits or nearly.
 //
-// The ops live in paged_decode.cpp, layer_ops.cpp, quantized_matmul.cpp and
-// quantized_vnni.cpp, each registering its own as a fragment of the library this file defines.
+// The ops live in paged_decode.cpp, layer_ops.cpp, layer_stack.cpp, head_ops.cpp, quantized_matmul.cpp,
+// quantized_q8.cpp, quantized_vnni.cpp and quantized_avx2.cpp, each registering its own as a fragment of the library this file defines.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

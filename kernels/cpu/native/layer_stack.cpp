@@ -1,0 +1,158 @@
+// torch.ops.tollway_cpu.decode_layers: a decode step's whole decoder stack in one call.
+//
+// The same ops, in the same order and with the same arguments, as the Python loop of
+// workers/models/fused_decode.py (`_layers` with paged_decode attention): per layer the four projections,
+// rotary_store, paged_decode, two add_rms_norm and silu_mul. Called one by one from Python, those ~270 ops
+// cost microseconds each of argument parsing and glue; here they go through the dispatcher from C++ (ours
+// typed, the projections boxed). One int4 stream on 2 cores decoded 25% faster (ops/bench/RESULTS.md).
+//
+// The plan (built once per model in workers/models/layer_plan.py) is flat lists with a fixed stride per
+// layer, so no Python object crosses per layer:
+//   tensors: kTensorsPerLayer per layer: input norm weight, post-attention norm weight, then kProjTensors
+//            slots per projection (qkv, o, gate_up, down) in the order its kind takes them (unused: None);
+//   ints:    kIntsPerLayer per layer: the sliding window (0: none), then per projection its kind and two ints;
+//   floats:  kFloatsPerLayer per layer: the attention scale, the input norm's eps, the post-attention norm's eps.
+// A projection's kind (ProjectionKind below) says which op runs it. Both sides must agree on these layouts:
+// tests/unit/kernels/test_layer_stack.py compares this op's step with the Python loop's for every kind.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kProjections = 4, kProjTensors = 3, kProjInts = 3;
+constexpr int64_t kTensorsPerLayer = 2 + kProjections * kProjTensors;
+constexpr int64_t kIntsPerLayer = 1 + kProjections * kProjInts;
+constexpr int64_t kFloatsPerLayer = 3;
+
+// How a projection runs (x first, then its tensors T0..T2 and ints I0, I1):
+enum ProjectionKind : int64_t {
+  kLinear = 0,   // aten::linear(x, weight T0, bias T1?)
+  kMkldnn = 1,   // mkldnn::_linear_pointwise(x, packed T0, bias T1?, "none", [], ""): oneDNN's prepacked bf16
+  kMkl = 2,      // mkl::_mkl_linear(x, packed T0, weight T1, bias T2?, batch_hint I0): MKL's prepacked fp32
+  kInt4 = 3,     // tollway_cpu::int4_matmul(x, qweight T0, scales T1, mins T2, n I0, group I1)
+  kInt4Q8 = 4,   // tollway_cpu::int4_matmul_q8(the same, "auto")
+  kInt8 = 5,     // tollway_cpu::int8_matmul(x, qweight T0, scales T1, n I0)
+  kInt8Q8 = 6,   // tollway_cpu::int8_matmul_q8(the same, "auto")
+};
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// One projection of `x`, boxed: every kind's op takes x first. Each op is looked up on its kind's first use
+// (a torch without MKL or oneDNN still runs the other kinds).
+at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, int64_t t0,
+                   c10::IntArrayRef ints, int64_t i0) {
+  auto tensor = [&](int64_t k) -> c10::IValue {
+    const std::optional<at::Tensor> value = tensors.get(t0 + k);
+    return value.has_value() ? c10::IValue(*value) : c10::IValue();
+  };
+  const int64_t kind = ints[i0], a = ints[i0 + 1], b = ints[i0 + 2];
+  torch::jit::Stack stack{x, tensor(0)};
+  const c10::OperatorHandle* handle = nullptr;
+  switch (kind) {
+    case kLinear: {
+      static const c10::OperatorHandle linear = op("aten::linear");
+      stack.push_back(tensor(1));
+      handle = &linear;
+      break;
+    }
+    case kMkldnn: {
+      static const c10::OperatorHandle mkldnn = op("mkldnn::_linear_pointwise");
+      stack.insert(stack.end(), {tensor(1), c10::IValue("none"), c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue("")});
+      handle = &mkldnn;
+      break;
+    }
+    case kMkl: {
+      static const c10::OperatorHandle mkl = op("mkl::_mkl_linear");
+      stack.insert(stack.end(), {tensor(1), tensor(2), c10::IValue(a)});
+      handle = &mkl;
+      break;
+    }
+    case kInt4: case kInt4Q8: {
+      static const c10::OperatorHandle int4 = op("tollway_cpu::int4_matmul");
+      static const c10::OperatorHandle int4_q8 = op("tollway_cpu::int4_matmul_q8");
+      stack.insert(stack.end(), {tensor(1), tensor(2), c10::IValue(a), c10::IValue(b)});
+      if (kind == kInt4Q8) stack.emplace_back("auto");
+      handle = kind == kInt4 ? &int4 : &int4_q8;
+      break;
+    }
+    case kInt8: case kInt8Q8: {
+      static const c10::OperatorHandle int8 = op("tollway_cpu::int8_matmul");
+      static const c10::OperatorHandle int8_q8 = op("tollway_cpu::int8_matmul_q8");
+      stack.insert(stack.end(), {tensor(1), c10::IValue(a)});
+      if (kind == kInt8Q8) stack.emplace_back("auto");
+      handle = kind == kInt8 ? &int8 : &int8_q8;
+      break;
+    }
+    default: TORCH_CHECK(false, "decode_layers: unknown projection kind ", kind);
+  }
+  handle->callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+void decode_layers(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
+                   at::TensorList v_caches, const c10::List<std::optional<at::Tensor>>& tensors,
+                   c10::IntArrayRef ints, c10::ArrayRef<double> floats, int64_t num_q_heads, int64_t num_kv_heads,
+                   int64_t head_dim) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(tensors.size()) == layers * kTensorsPerLayer &&
+                  static_cast<int64_t>(ints.size()) == layers * kIntsPerLayer &&
+                  static_cast<int64_t>(floats.size()) == layers * kFloatsPerLayer,
+              "decode_layers: the plan's lists do not match the layer count");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "decode_layers: the residual must be a contiguous fp32 [N, H]");
+  static auto add_rms_norm = op("tollway_cpu::add_rms_norm")
+      .typed<at::Tensor(at::Tensor, const std::optional<at::Tensor>&, const at::Tensor&, double)>();
+  static auto rotary_store = op("tollway_cpu::rotary_store")
+      .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
+                  int64_t, int64_t)>();
+  static auto paged_decode = op("tollway_cpu::paged_decode")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        double, int64_t)>();
+  static auto silu_mul = op("tollway_cpu::silu_mul").typed<at::Tensor(const at::Tensor&)>();
+  const int64_t n = residual.size(0), q_size = num_q_heads * head_dim;
+  auto norm_weight = [&](int64_t layer, int64_t which) { return tensors.get(layer * kTensorsPerLayer + which).value(); };
+  at::Tensor normed = add_rms_norm.call(residual, std::nullopt, norm_weight(0, 0), floats[1]);
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t t = i * kTensorsPerLayer + 2, k = i * kIntsPerLayer + 1, f = i * kFloatsPerLayer;
+    at::Tensor qkv = project(normed, tensors, t, ints, k);
+    rotary_store.call(qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping, num_q_heads, num_kv_heads);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_q_heads, head_dim});
+    const at::Tensor attn = paged_decode.call(q, k_caches[i], v_caches[i], block_tables, context_lens, floats[f],
+                                              ints[i * kIntsPerLayer]);
+    const at::Tensor o = project(attn.view({n, q_size}), tensors, t + kProjTensors, ints, k + kProjInts);
+    normed = add_rms_norm.call(residual, o, norm_weight(i, 1), floats[f + 2]);
+    const at::Tensor gate_up = project(normed, tensors, t + 2 * kProjTensors, ints, k + 2 * kProjInts);
+    const at::Tensor down = project(silu_mul.call(gate_up), tensors, t + 3 * kProjTensors, ints, k + 3 * kProjInts);
+    if (i + 1 < layers) {
+      normed = add_rms_norm.call(residual, down, norm_weight(i + 1, 0), floats[f + kFloatsPerLayer + 1]);
+    } else {
+      residual.add_(down.to(at::kFloat));
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
+  m.def("decode_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor?[] tensors, int[] ints, "
+        "float[] floats, int num_q_heads, int num_kv_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}
+
+// MKL's packed fp32 weights are MkldnnCPU tensors: a plan holding them dispatches there.
+TORCH_LIBRARY_IMPL(tollway_cpu, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}

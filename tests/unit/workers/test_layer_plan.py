@@ -1,0 +1,124 @@
+"""The decode step's layers as one native call (workers/models/layer_plan.py, kernels/cpu/native/layer_stack.cpp)
+against the Python loop of the same ops (`fused_decode.decode_layers`): bit-equal hidden states and K/V for
+every kind of projection the op runs (plain, packed, int4 and int8 row kernels with float or int8 activations),
+with a sliding window; no plan where a projection has no kind, and a plan rebuilt when projections are replaced.
+Needs the native library (tests/required.py: skipped locally without a compiler, a failure on CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.block_pool import BlockPool
+from cache.block_table import BlockTable
+from kernels.cpu import native
+from kernels.metadata import PagedAttentionMetadata
+from kernels.quantized import cpu as quantized_cpu
+from tests.required import unavailable
+from workers.models import fused_decode, quantized_linear
+from workers.models.layer_plan import PROJECTIONS, LayerPlan, plan_for
+from workers.models.llama import LlamaForCausalLM
+from workers.models.loader import load_model
+from workers.models.packed_linear import pack_linears, packing_kind
+from workers.paged_step import run_step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+def model_for(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,
+              window: int | None) -> LlamaForCausalLM:
+    from workers.models.tiny import write_tiny_model_folder
+
+    overrides = {"sliding_window": window} if window else {}
+    folder = write_tiny_model_folder(tmp_path / "m", "mistral" if window else "llama", seed=5, **overrides)
+    return load_model(folder, dtype, quantization=quantization, activations=activations).model
+
+
+def both_ways(model: LlamaForCausalLM) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]:
+    """One decode step of 5 sequences from the same prefilled cache, by the plan and by the Python loop:
+    each way's hidden states and its caches after the step."""
+    pool = BlockPool(64, 8)
+    kv = model.allocate_kv(pool.num_blocks, pool.block_size)
+    gen = torch.Generator().manual_seed(3)
+    batch = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 30)]
+    tables = [BlockTable(pool) for _ in batch]
+    run_step(model, kv, tables, batch, backend="cpu")
+    for table in tables:
+        table.append(1)
+    meta = PagedAttentionMetadata.build([1] * len(batch), [t.num_tokens for t in tables],
+                                        [t.block_ids for t in tables], pool.block_size, backend="native")
+    input_ids = torch.tensor([5, 9, 17, 33, 65])
+    cos, sin = model.rotary.gather(meta.positions, meta.max_context_len - 1, model.dtype)
+    results = []
+    for way in ("plan", "loop"):
+        step_kv = model.allocate_kv(kv.num_blocks, kv.block_size, kv.keys[0].dtype)
+        for dst, src in zip([*step_kv.keys, *step_kv.values], [*kv.keys, *kv.values], strict=True):
+            dst.copy_(src)
+        with torch.inference_mode(), quantized_cpu.decode_step():
+            if way == "plan":
+                assert plan_for(model, len(batch)) is not None
+                hidden = fused_decode.decode_hidden(model, input_ids, step_kv, meta, cos, sin)
+            else:
+                hidden = fused_decode.decode_layers(model, input_ids, step_kv, meta.slot_mapping, meta.block_tables,
+                                                    meta.context_lens, cos.squeeze(1), sin.squeeze(1))
+        results.append((hidden, [*step_kv.keys, *step_kv.values]))
+    return tuple(results)
+
+
+CASES = pytest.mark.parametrize(
+    ("dtype", "quantization", "activations", "window", "pack"),
+    [
+        (torch.float32, "none", "int8", None, False),  # nn.Linear
+        (torch.float32, "none", "int8", None, True),  # MKL's packed fp32
+        (torch.bfloat16, "none", "int8", None, True),  # oneDNN's packed bf16, where this CPU has it
+        (torch.float32, "none", "int8", 12, False),  # a sliding window shorter than most contexts
+        (torch.float32, "int4", "int8", None, False),  # int4_matmul_q8
+        (torch.bfloat16, "int4", "float", None, False),  # int4_matmul
+        (torch.float32, "int8", "int8", None, False),  # int8_matmul_q8
+        (torch.bfloat16, "int8", "float", None, False),  # int8_matmul
+    ],
+    ids=["linear", "mkl", "mkldnn", "window", "int4-q8", "int4", "int8-q8", "int8"],
+)
+
+
+@CASES
+def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,
+                                     window: int | None, pack: bool) -> None:
+    model = model_for(tmp_path, dtype, quantization, activations, window)
+    if pack and packing_kind(dtype) is None:
+        pytest.skip(f"no packed GEMM for {dtype} on this CPU")  # bf16 packing needs AVX512-BF16 or AMX
+    if pack:
+        assert pack_linears(model)
+    (plan_hidden, plan_kv), (loop_hidden, loop_kv) = both_ways(model)
+    assert torch.equal(plan_hidden, loop_hidden)
+    for a, b in zip(plan_kv, loop_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_no_plan_where_a_projection_dequantizes_and_a_new_plan_after_packing(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model = model_for(tmp_path, torch.float32, "int4", "int8", None)
+    with quantized_cpu.decode_step():
+        assert plan_for(model, 4) is not None
+        # from 4 rows the quantized layers dequantize and run one GEMM: no kind of the op covers that
+        monkeypatch.setattr(quantized_linear, "dequantize_from_rows", lambda packed, rounded: 4)
+        assert plan_for(model, 5) is None
+    plain = model_for(tmp_path / "plain", torch.float32, "none", "int8", None)
+    first = plan_for(plain, 3)
+    assert first is not None and plan_for(plain, 3) is first  # kept while the projections stay
+    assert set(projection_kinds(first)) == {0}  # nn.Linear
+    assert pack_linears(plain)
+    second = plan_for(plain, 3)
+    assert second is not None and set(projection_kinds(second)) == {2}  # MKL's packed fp32
+
+
+def projection_kinds(plan: LayerPlan) -> list[int]:
+    """Each projection's kind: per layer the ints are the window, then (kind, int, int) per projection."""
+    per_layer = 1 + 3 * len(PROJECTIONS)
+    return [plan.ints[start + 1 + 3 * p] for start in range(0, len(plan.ints), per_layer) for p in range(len(PROJECTIONS))]
