@@ -18,8 +18,8 @@ template <typename C>
 inline void prefetch_ahead(const C* kp, const C* vp, const int64_t* rows, int64_t i, int64_t n, int64_t row_bytes) {
   for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
     for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 3);
-      __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + byte, 0, 2);
     }
   }
 }
