@@ -134,6 +134,26 @@ inline float round_to(float x) {
   }
 }
 
+// round_to on each lane of x.
+template <typename T>
+inline Vec round_vec(const Vec& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(x, x)));
+  }
+}
+
+// W values of x stored as T at dst (rounded to nearest even, as store_floats and c10's types do).
+template <typename T>
+inline void store_vec(const Vec& x, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    x.store(dst);
+  } else {
+    at::vec::convert_from_float<T>(x, x).store(dst, W);
+  }
+}
+
 // The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
 // dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per row) under either.
 inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {

@@ -13,7 +13,8 @@ constexpr int64_t kPrefetch = 16;  // tokens ahead whose K/V rows are prefetched
 
 // Prefetch the K and V rows (row_bytes each) of the four tokens kPrefetch after token i, where they exist:
 // a sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the stream at every block
-// boundary. The kernels call it from their first query head's score loop.
+// boundary. The kernels call it from their first query head's score loop. Into L2 (locality 2): software
+// prefetches into L1 wait for its few miss buffers, which capped the op's bandwidth (paged_decode.cpp).
 template <typename C>
 inline void prefetch_ahead(const C* kp, const C* vp, const int64_t* rows, int64_t i, int64_t n, int64_t row_bytes) {
   for (int64_t t = i + kPrefetch; t < std::min(i + kPrefetch + 4, n); ++t) {
