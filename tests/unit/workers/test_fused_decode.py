@@ -108,12 +108,24 @@ def test_fused_step_equals_eager_step(tmp_path: Path, model_type: str, dtype: to
 
 @MODELS
 @pytest.mark.parametrize("cache", ["model", "int8"])
+@pytest.mark.parametrize("extends_as", ["rows", "sdpa"])
 def test_mixed_step_on_native_ops_equals_eager_step(tmp_path: Path, model_type: str, dtype: torch.dtype,
-                                                    overrides: dict[str, int], cache: str) -> None:
+                                                    overrides: dict[str, int], cache: str, extends_as: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes, a prompt's second chunk (over its cached first chunk) and a fresh prompt runs
     the native ops (`step_hidden`) and gives every token the eager step's logits and K/V, on a cache of
     the model's dtype and on an int8 one (whose fresh prompt attends over its rounded K/V on both paths:
-    tests/unit/kernels/test_kv_int8.py checks the eager one against the reference)."""
+    tests/unit/kernels/test_kv_int8.py checks the eager one against the reference). The extending
+    sequences attend both ways `step_hidden` has: as decode rows (short contexts) and by SDPA (long ones,
+    forced here by a threshold of 0)."""
+    if extends_as == "sdpa":
+        monkeypatch.setattr(fused_decode, "ROWS_ATTENTION_MAX_CONTEXT", 0)
+    else:  # the contexts here are short: the fused step must not reach the SDPA path
+
+        def no_sdpa(*args: object) -> None:
+            raise AssertionError("the extends of short contexts attend as decode rows")
+
+        monkeypatch.setattr(fused_decode.native, "extend_step", no_sdpa)
     model = tiny_model(tmp_path, model_type, dtype, overrides)
     block_size = 8
     pool = BlockPool(64, block_size)
