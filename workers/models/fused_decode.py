@@ -15,8 +15,10 @@ An all-decode step runs these layers as one native call (`decode_layers` of the 
 of workers/models/layer_plan.py: the same ops, bit-equal, without ~9 Python op calls per layer); the
 Python loop `_layers` serves torch.compile's trace and steps the plan does not cover.
 
-A step with prefill chunks or drafts (`step_hidden`) runs the same ops on all its tokens; only the
-extending sequences' attention differs: `native.extend_step` over their rotated q, k, v views of qkv.
+A step with prefill chunks or drafts (`step_hidden`) runs the same ops on all its tokens. Where every
+extending sequence is short (ROWS_ATTENTION_MAX_CONTEXT) each new token attends as a decode row over the
+cache up to its own position, so the step is the decode step's (one native call where the plan covers it);
+otherwise the extending sequences attend by `native.extend_step` over their rotated q, k, v views of qkv.
 
 The roundings are those of `DecoderLayer.forward` (the same dtype casts at the same points), so the
 tokens equal the eager path's (exactly in fp32 up to summation order; see tests).

@@ -1,4 +1,5 @@
-// torch.ops.tollway_cpu.decode_layers: a decode step's whole decoder stack in one call.
+// torch.ops.tollway_cpu.decode_layers: the whole decoder stack of a step whose tokens all attend as decode rows
+// (token i over block_tables[i] up to context_lens[i]), in one call.
 //
 // The same ops, in the same order and with the same arguments, as the Python loop of
 // workers/models/fused_decode.py (`_layers` with paged_decode attention): per layer the four projections,
