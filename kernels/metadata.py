@@ -55,12 +55,16 @@ class PagedAttentionMetadata:
         """The step as the layers of `group` see it (their pages)."""
         return self if group == 0 else self.other_groups[group - 1]
 
-    def with_tables(self, block_tables: torch.Tensor) -> PagedAttentionMetadata:
-        """The same step over another group's block tables [S, max_blocks] (rows as in `from_tables`)."""
-        seq_of_token = torch.arange(self.num_seqs, device=block_tables.device)
+    def seq_of_token(self) -> torch.Tensor:
+        """[N] int64: the sequence each new token belongs to."""
+        seq_of_token = torch.arange(self.num_seqs, device=self.block_tables.device)
         if self.num_decodes != self.num_seqs:  # (all decodes: token i is sequence i's, no host sync)
             seq_of_token = torch.repeat_interleave(seq_of_token, self.query_start[1:] - self.query_start[:-1])
-        token_blocks = block_tables[seq_of_token, self.positions // self.block_size].long()
+        return seq_of_token
+
+    def with_tables(self, block_tables: torch.Tensor) -> PagedAttentionMetadata:
+        """The same step over another group's block tables [S, max_blocks] (rows as in `from_tables`)."""
+        token_blocks = block_tables[self.seq_of_token(), self.positions // self.block_size].long()
         return PagedAttentionMetadata(
             query_start=self.query_start, context_lens=self.context_lens, block_tables=block_tables,
             slot_mapping=token_blocks * self.block_size + self.positions % self.block_size,

@@ -83,7 +83,7 @@ def rows_hidden(
         return decode_layers(model, input_ids, kv, slot_mapping, block_tables, context_lens, cos.squeeze(1),
                              sin.squeeze(1))
     residual = model.embed_tokens(input_ids).float()  # [N, H], owned by this step
-    plan.run(residual, kv, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, context_lens, model)
+    plan.run(residual, kv, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, context_lens)
     return residual
 
 
@@ -100,9 +100,7 @@ def step_hidden(
         return decode_hidden(model, input_ids, kv, meta, cos, sin)
     if max(meta.context_lens_list[d:]) <= ROWS_ATTENTION_MAX_CONTEXT:
         # K/V are stored (rotary_store) before each layer attends, so a row reads its own chunk's earlier tokens
-        seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs),
-                                               torch.tensor(meta.query_lens_list, dtype=torch.int64))
-        token_tables = meta.block_tables.index_select(0, seq_of_token)
+        token_tables = meta.block_tables.index_select(0, meta.seq_of_token())
         token_lens = (meta.positions + 1).to(torch.int32)
         return rows_hidden(model, input_ids, kv, meta.slot_mapping, token_tables, token_lens, cos, sin)
     c = model.config

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # ProjectionKind of layer_stack.cpp, by the op that runs the projection.
-_ROW_KERNEL_KINDS = {"tollway_cpu::int4_matmul": 3, "tollway_cpu::int4_matmul_q8": 4,
-                     "tollway_cpu::int8_matmul": 5, "tollway_cpu::int8_matmul_q8": 6}
-_LINEAR, _MKLDNN, _MKL = 0, 1, 2
+_LINEAR, _MKLDNN, _MKL, _INT4, _INT4_Q8, _INT8, _INT8_Q8 = range(7)
+_ROW_KERNEL_KINDS = {"tollway_cpu::int4_matmul": _INT4, "tollway_cpu::int4_matmul_q8": _INT4_Q8,
+                     "tollway_cpu::int8_matmul": _INT8, "tollway_cpu::int8_matmul_q8": _INT8_Q8}
 
 Entry = tuple[int, list[torch.Tensor | None], list[int]]
 """A projection in the plan: its kind, its 3 tensor slots, its 2 ints."""
@@ -50,16 +50,16 @@ class LayerPlan:
     tensors: list[torch.Tensor | None]
     ints: list[int]
     floats: list[float]
+    heads: tuple[int, int, int]
+    """(query heads, KV heads, head dim)."""
 
     def run(self, residual: torch.Tensor, kv: KVStorage, cos: torch.Tensor, sin: torch.Tensor,
-            slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-            model: LlamaForCausalLM) -> None:
+            slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """The decoder stack on `residual` [N, H] fp32 (updated in place), writing each layer's K/V."""
-        c = model.config
         torch.ops.tollway_cpu.decode_layers(
             residual, cos, sin, slot_mapping, block_tables, context_lens,
             [kv.keys[i] for i in self.layer_indices], [kv.values[i] for i in self.layer_indices],
-            self.tensors, self.ints, self.floats, c.num_q_heads, c.num_kv_heads, c.head_dim)
+            self.tensors, self.ints, self.floats, *self.heads)
 
 
 def linear_call(module: torch.nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,7 +78,7 @@ def projection_entry(run: Any) -> Entry | None:
         kw = run.keywords
         if kind is None or run.args:
             return None
-        if kind in (3, 4):
+        if kind in (_INT4, _INT4_Q8):
             return kind, [kw["qweight"], kw["scales"], kw["mins"]], [kw["n"], kw["group"]]
         return kind, [kw["qweight"], kw["scales"], None], [kw["n"], 0]
     if isinstance(run, PackedLinear):
@@ -113,7 +113,9 @@ def build_plan(model: LlamaForCausalLM, rows: int) -> LayerPlan | None:
             kind, slots, numbers = entry
             tensors += slots
             ints += [kind, *numbers]
-    return LayerPlan(tuple(layer.layer_index for layer in layers), tensors, ints, floats)
+    c = model.config
+    return LayerPlan(tuple(layer.layer_index for layer in layers), tensors, ints, floats,
+                     (c.num_q_heads, c.num_kv_heads, c.head_dim))
 
 
 def plan_for(model: LlamaForCausalLM, rows: int) -> LayerPlan | None:

@@ -91,10 +91,8 @@ CASES = pytest.mark.parametrize(
 def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,
                                      window: int | None, pack: bool) -> None:
     model = model_for(tmp_path, dtype, quantization, activations, window)
-    if pack and packing_kind(dtype) is None:
-        pytest.skip(f"no packed GEMM for {dtype} on this CPU")  # bf16 packing needs AVX512-BF16 or AMX
-    if pack:
-        assert pack_linears(model)
+    if pack:  # bf16 packing needs AVX512-BF16 or AMX: elsewhere the layers stay nn.Linear, still compared
+        assert pack_linears(model) == (packing_kind(dtype) is not None)
     (plan_hidden, plan_kv), (loop_hidden, loop_kv) = both_ways(model)
     assert torch.equal(plan_hidden, loop_hidden)
     for a, b in zip(plan_kv, loop_kv, strict=True):
