@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import native
 from workers.engine.request import Sequence
 
 
@@ -84,8 +85,13 @@ def exponential_noise(seqs: Seq[Sequence], vocab: int, device: torch.device) -> 
 
 
 def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row (the first where values tie), by `max`: on a CPU torch's `argmax` over a
-    [32, 49152] fp32 batch takes 2.5x as long (1.0 vs 0.4 ms measured), the same indices."""
+    """The argmax of each row (the first where values tie). On a CPU with the native ops loaded, one
+    C++ pass per row (`row_argmax`, kernels/cpu/native/head_ops.cpp): torch's `max(dim=-1)` over a
+    [32, 49152] fp32 batch took 0.7 ms of a 50 ms decode step on a 2-core EPYC. Elsewhere `max`,
+    whose indices are the same (torch's `argmax` took 2.5x as long as `max` on a CPU)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and native.is_loaded()):
+        return torch.ops.tollway_cpu.row_argmax(logits.contiguous())
     return logits.max(dim=-1).indices
 
 

@@ -18,6 +18,8 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `refine_top_logits(logits [N, V] fp32 | bf16, weight [V, H] fp32 | bf16, normed [N, H] fp32, k) -> [N, V]
   fp32`: the logits in fp32 with the k largest of each row recomputed as `weight[v] . normed[n]` in fp32
   (`head_ops.cpp`; used through workers/models/logits_refine.py);
+- `row_argmax(logits [N, V] fp32) -> [N] int64`: each row's first index of its maximum, as `max(dim=-1)`
+  (`head_ops.cpp`; the sampler's greedy choice, workers/engine/sampler.py);
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
   `int8_matmul(x, qweight int8 [N, K], scales [N]) -> [M, N]`: weight-only quantized matmuls
   (`quantized_matmul.cpp`; used through kernels/quantized/cpu.py);

@@ -51,3 +51,7 @@ def register_fakes() -> None:
     @torch.library.register_fake(f"{lib}::refine_top_logits")
     def _refine_top_logits(logits, weight, normed, k):  # type: ignore[no-untyped-def]
         return logits.new_empty(logits.shape, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{lib}::row_argmax")
+    def _row_argmax(logits):  # type: ignore[no-untyped-def]
+        return logits.new_empty(logits.shape[0], dtype=torch.long)

@@ -29,12 +29,14 @@ inline void prefetch_ahead(const C* kp, const C* vp, const int64_t* rows, int64_
 // exp(-inf) = 0); returns 1 / (sum of the exponentials), which the V sum multiplies by.
 inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscale) {
   Vec m(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; ++i) s[i] *= fscale;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (Vec::loadu(s + i) * Vec(fscale)).store(s + i);
+  for (; i < n; ++i) s[i] *= fscale;
   std::fill(s + n, s + n_padded, -std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
+  for (i = 0; i < n_padded; i += W) m = at::vec::maximum(m, Vec::loadu(s + i));
   const Vec row_max(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, m));
   Vec sum(0.f);
-  for (int64_t i = 0; i < n_padded; i += W) {
+  for (i = 0; i < n_padded; i += W) {
     const Vec p = (Vec::loadu(s + i) - row_max).exp();
     p.store(s + i);
     sum = sum + p;

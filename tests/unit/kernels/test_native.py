@@ -46,10 +46,12 @@ def paged_batch(lengths: list[int], block_size: int, num_kv_heads: int, head_dim
     return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), meta
 
 
-# (group, head dim, block size, dtype): every value of each axis; contexts span up to 40 blocks
+# (group, head dim, block size, dtype): every value of each axis; contexts span up to 40 blocks. bf16 with
+# AVX512-BF16 takes the pairwise bf16 V sum (odd lengths: a lone last token)
 CASES = [
     (1, 16, 8, torch.float32), (3, 64, 8, torch.bfloat16), (3, 64, 16, torch.float32), (4, 128, 16, torch.bfloat16),
     (8, 32, 32, torch.float32), (2, 256, 4, torch.bfloat16), (7, 64, 1, torch.float32),
+    (8, 32, 8, torch.bfloat16), (5, 64, 16, torch.bfloat16),  # bf16 passes of 4 heads and a lone one
 ]
 
 

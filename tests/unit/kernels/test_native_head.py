@@ -1,5 +1,6 @@
 """The native logits refinement (`refine_top_logits`, kernels/cpu/native/head_ops.cpp) against its
-definition and against the torch path of workers/models/logits_refine.py.
+definition and against the torch path of workers/models/logits_refine.py; the native greedy choice
+(`row_argmax`) against torch's `max`.
 
 Needs the library built on this machine, as tests/unit/kernels/test_native.py (skipped locally without
 a compiler, failing under TOLLWAY_REQUIRE_SERVICES=1).
@@ -33,7 +34,12 @@ def head_case(rows: int, vocab: int, hidden: int, logits_dtype: torch.dtype, wei
 
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "vocab", "hidden", "k"), [(5, 1031, 64, 64), (3, 4096, 72, 1), (2, 40, 16, 40)])
+@pytest.mark.parametrize(("rows", "vocab", "hidden", "k"), [
+    (5, 1031, 64, 64),  # fewer spans of 4W values than k: every value a candidate
+    (3, 4096, 72, 1),
+    (4, 8200, 32, 64),  # the threshold of the spans' maxima, and a tail past the last whole span
+    (2, 40, 16, 40),
+])
 def test_refines_exactly_the_k_largest(logits_dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, vocab: int,
                                        hidden: int, k: int) -> None:
     logits, weight, normed = head_case(rows, vocab, hidden, logits_dtype, weight_dtype, seed=vocab + k)
@@ -61,6 +67,48 @@ def test_native_and_torch_paths_agree(logits_dtype: torch.dtype, monkeypatch: py
     torch_out = logits_refine.refine_top(logits, weight, normed)
     torch.testing.assert_close(native_out, torch_out, rtol=1e-5, atol=1e-5)
     assert torch.equal(native_out.max(dim=-1).indices, torch_out.max(dim=-1).indices)
+
+
+def test_refines_the_k_largest_among_ties_and_nans() -> None:
+    generator = torch.Generator().manual_seed(7)
+    rows, vocab, hidden, k = 3, 9000, 32, 64
+    weight, normed = torch.randn(vocab, hidden, generator=generator), torch.randn(rows, hidden, generator=generator)
+    logits = torch.randint(0, 40, (rows, vocab), generator=generator).float()  # ~225 copies of each value
+    logits[1, ::97] = float("nan")  # NaNs in many spans: never refined, the spans still searched
+    logits[2, 5000:] = float("-inf")
+    out = torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed, k)
+    for r in range(rows):
+        refined = (out[r] != logits[r]) & ~logits[r].isnan()
+        assert int(refined.sum()) == k
+        others = logits[r][~refined & ~logits[r].isnan()]
+        assert logits[r][refined].min() >= others.max()
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 1000])
+def test_row_argmax_is_max_indices(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator)
+    logits[1] = torch.randint(0, 3, (vocab,), generator=generator).float()  # ties: the first index
+    logits[2] = float("-inf")
+    logits[3, vocab // 2] = float("nan")  # a NaN is the maximum, as torch's max says
+    logits[4, -1] = 1e9  # in the tail past the last whole vector
+    got = torch.ops.tollway_cpu.row_argmax(logits)
+    assert got.dtype == torch.long
+    assert torch.equal(got, logits.max(dim=-1).indices)
+
+
+def test_greedy_choice_takes_the_native_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine import sampler
+
+    logits = torch.randn(4, 300)
+    calls = []
+    row_argmax = torch.ops.tollway_cpu.row_argmax
+    monkeypatch.setattr(torch.ops.tollway_cpu, "row_argmax", lambda x: calls.append(x) or row_argmax(x))
+    native_choice = sampler.greedy_choice(logits)
+    assert len(calls) == 1
+    monkeypatch.setattr(native, "is_loaded", lambda: False)
+    assert torch.equal(native_choice, sampler.greedy_choice(logits))
+    assert torch.equal(native_choice, logits.argmax(dim=-1))
 
 
 def test_rejects_mismatched_shapes() -> None:
