@@ -276,13 +276,38 @@ def dequantize_from_rows(packed: CpuPacked, rounded: bool) -> int:
     return DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]
 
 
+TILE_GEMM_MAX_ROWS = 96
+"""Below this many rows of bf16 x (and from the crossover) a native packing runs the tile kernel
+(`*_tile_matmul`, kernels/cpu/native/quantized_tiles.cpp: each 8-row tile dequantized once, every row of x
+multiplied by it on AVX512-BF16) instead of dequantizing the whole weight for one unpacked GEMM. 30 layers'
+projections, 2 threads on a 2-core AVX512-BF16 EPYC, int4 / int8: 16 rows 17.7 / 17.7 ms against 23.5 / 27.2,
+48 rows 37.8 / 42.8 against 47.2 / 48.7, 64 rows 47.5 / 48.8 against 51.0 / 57.4, 128 rows 87.4 / 88.1
+against 80.7 / 86.9 (ops/bench/RESULTS.md, issue 22, 2026-11-26)."""
+
+
+def tile_matmul_fits(packed: CpuPacked, x: torch.Tensor) -> bool:
+    return (packed.kernel == "native" and packed.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and x.shape[0] < TILE_GEMM_MAX_ROWS and packed.shape[1] % 32 == 0 and native.tile_matmul_available())
+
+
+def dense_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
+    """x [M, K] (contiguous) @ W.T for a native packing from its row kernel's crossover on: the tile kernel
+    where it fits (`tile_matmul_fits`), else the weight dequantized into x's dtype and one GEMM."""
+    if tile_matmul_fits(packed, x):
+        if packed.bits == 8:
+            return torch.ops.tollway_cpu.int8_tile_matmul(x, packed.weight, packed.scales, packed.shape[0])
+        return torch.ops.tollway_cpu.int4_tile_matmul(x, packed.weight, packed.scales, packed.mins, packed.shape[0],
+                                                      packed.group_size)
+    return F.linear(x, dequantize_native(packed))
+
+
 def cpu_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:
     """x [M, K] in packed.dtype -> x @ W.T [M, N] in the same dtype."""
     x = x.contiguous()
     if packed.kernel == "native":
         rounded = rounds_activations(packed)
         if x.shape[0] >= dequantize_from_rows(packed, rounded):
-            return F.linear(x, dequantize_native(packed))
+            return dense_matmul(x, packed)
         run = row_kernel(packed, rounded)
         assert run is not None
         return run(x)

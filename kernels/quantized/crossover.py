@@ -1,7 +1,8 @@
 """Where the native row kernel stops paying, measured on this CPU when an engine starts (issue 22).
 
-A native quantized matmul runs its row kernel below a number of rows of x and dequantizes the
-weight + runs one GEMM from there (`kernels/quantized/cpu.py: dequantize_from_rows`). The shipped
+A native quantized matmul runs its row kernel below a number of rows of x and, from there, the tile
+kernel (bf16, up to `TILE_GEMM_MAX_ROWS`) or dequantizes the weight + runs one GEMM
+(`kernels/quantized/cpu.py: dequantize_from_rows`, `dense_matmul`). The shipped
 `DEQUANTIZE_FROM_ROWS` / `Q8_DEQUANTIZE_FROM_ROWS` were measured on one host, and hosts with the very
 same CPU flags disagree: bf16 int8's crossover was 48+ rows on one 2-core AVX512-BF16 EPYC and 16-32
 on another (ops/bench/RESULTS.md, "Issue 22"). So `calibrate` times a model's own projections both
@@ -21,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from kernels.quantized import cpu as qcpu
 
@@ -64,8 +64,9 @@ def _best_time(calls: Sequence[tuple[Matmul, torch.Tensor]]) -> float:
     return best
 
 
-def _dequantize_then_linear(packed: qcpu.CpuPacked) -> Matmul:
-    return lambda x: F.linear(x, qcpu.dequantize_native(packed))
+def _dense_matmul(packed: qcpu.CpuPacked) -> Matmul:
+    """What runs from the crossover on: the tile kernel where it fits, else dequantize + one GEMM."""
+    return lambda x: qcpu.dense_matmul(x.contiguous(), packed)
 
 
 def measure(packings: Sequence[qcpu.CpuPacked], rounded: bool, candidates: Sequence[int]) -> int:
@@ -89,7 +90,7 @@ def measure(packings: Sequence[qcpu.CpuPacked], rounded: bool, candidates: Seque
 
     with torch.inference_mode():
         return first_win(lambda m: _best_time(calls(m, rows)),
-                         lambda m: _best_time(calls(m, _dequantize_then_linear)), candidates)
+                         lambda m: _best_time(calls(m, _dense_matmul)), candidates)
 
 
 def calibrate(packings: Sequence[qcpu.CpuPacked]) -> dict[tuple[torch.dtype, int, bool], int]:

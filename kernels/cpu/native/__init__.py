@@ -26,6 +26,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `int4_matmul_q8` / `int8_matmul_q8` (same arguments, and `kernel="auto"`): the same products with x
   quantized to int8 per block of 32, on integer multiply-adds (`quantized_q8.cpp`: AVX512-VNNI's in
   `quantized_vnni.cpp` where the CPU has them, else AVX2's in `quantized_avx2.cpp`; `q8_kernel()` says which).
+- `int4_tile_matmul` / `int8_tile_matmul` (x bf16, the same weight arguments): each weight tile dequantized once
+  into bf16 and every row of x multiplied by it on AVX512-BF16 (`quantized_tiles.cpp`; where
+  `tile_matmul_available()`), for the rows between the row kernels' crossover and a full GEMM's.
 
 - `decode_layers(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, tensors, ints,
   floats, Hq, Hkv, D)`: an all-decode step's decoder stack in one call, the ops above in the order of
@@ -57,7 +60,8 @@ KV_CACHE_DTYPES = {torch.float32: (torch.float32, torch.float16, torch.bfloat16,
                    torch.bfloat16: (torch.bfloat16, torch.int8)}
 """For each compute dtype, the cache dtypes the attention ops read and write."""
 
-__all__ = ["covers", "decode_step", "extend_step", "is_loaded", "load", "q8_kernel", "store_kv", "unavailable_reason"]
+__all__ = ["covers", "decode_step", "extend_step", "is_loaded", "load", "q8_kernel", "store_kv", "tile_matmul_available",
+           "unavailable_reason"]
 
 _loaded = False
 """Set once `load()` has loaded the library into this process (read by `is_loaded`, which never builds)."""
@@ -99,6 +103,12 @@ def q8_kernel() -> str | None:
     """Which kernel runs the *_matmul_q8 ops here: "vnni" (AVX512-VNNI) or "avx2" (every other CPU the
     library builds on); None where the library cannot be loaded."""
     return str(torch.ops.tollway_cpu.q8_kernel()) if load() else None
+
+
+@cache
+def tile_matmul_available() -> bool:
+    """Whether the *_tile_matmul ops run here (the library loads, built for AVX512, on a CPU with AVX512-BF16)."""
+    return load() and bool(torch.ops.tollway_cpu.tile_matmul_available())
 
 
 def covers(head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype,

@@ -27,6 +27,36 @@ inline float reduce_add(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+// The four horizontal sums of a0..a3, in order.
+inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto half = [](const Vec& v) {
+    const __m512 x = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 b0 = half(a0), b1 = half(a1), b2 = half(a2), b3 = half(a3);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = reduce_add(a0), out[1] = reduce_add(a1), out[2] = reduce_add(a2), out[3] = reduce_add(a3);
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Functions on AVX512-BF16's vdpbf16ps carry this: the library is built for AVX512 alone, so they are compiled
+// for that extension only and called where bf16_dot_available() says the CPU has it.
+#define TOLLWAY_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+inline bool bf16_dot_available() {
+  static const bool available = __builtin_cpu_supports("avx512bf16");
+  return available;
+}
+#endif
+
 // n floats from src (fp32, bf16 or fp16) into dst, any n: 2W values per vector step, the tail one at a time.
 template <typename T>
 inline void load_floats(const T* src, float* dst, int64_t n) {

@@ -40,6 +40,14 @@ def register_fakes() -> None:
     def _int8_matmul(x, qweight, scales, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake(f"{lib}::int4_tile_matmul")
+    def _int4_tile_matmul(x, qweight, scales, mins, n, group):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(f"{lib}::int8_tile_matmul")
+    def _int8_tile_matmul(x, qweight, scales, n):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n)
+
     @torch.library.register_fake(f"{lib}::int4_matmul_q8")
     def _int4_matmul_q8(x, qweight, scales, mins, n, group, implementation="auto"):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)

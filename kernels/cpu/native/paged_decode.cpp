@@ -115,14 +115,6 @@ void scores_float(const float* qf, TaskRows<C> t) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define TOLLWAY_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-// Whether this CPU has AVX512-BF16 (vdpbf16ps): the library is built for AVX512 alone, so the bf16 dot
-// products below are compiled for that extension only and called where it is present.
-bool bf16_dot_available() {
-  static const bool available = __builtin_cpu_supports("avx512bf16");
-  return available;
-}
 
 // The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
 // with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs

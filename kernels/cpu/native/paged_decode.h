@@ -44,25 +44,6 @@ inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscal
   return 1.f / reduce_add(sum);
 }
 
-// The four horizontal sums of a0..a3, in order.
-inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  auto half = [](const Vec& v) {
-    const __m512 x = v;
-    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
-  };
-  const __m256 b0 = half(a0), b1 = half(a1), b2 = half(a2), b3 = half(a3);
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
-#endif
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-#else
-  out[0] = reduce_add(a0), out[1] = reduce_add(a1), out[2] = reduce_add(a2), out[3] = reduce_add(a3);
-#endif
-}
-
 // What both paged_decode kernels read of their arguments: shapes, strides, the tables and lengths, and
 // L, the longest context rounded up to whole vectors (the scores' row length per query head).
 struct DecodeGeometry {

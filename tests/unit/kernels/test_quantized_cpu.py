@@ -195,3 +195,52 @@ def test_native_dequantize_is_the_layout_s_dequantize(dtype: torch.dtype, bits: 
     weight = _weight(bits, 48, 192, 64 if bits == 4 else 192, seed=3)
     got = dequantize_native(pack_for_cpu(weight, dtype, "native"))
     assert got.dtype == dtype and torch.equal(got, dequantize(weight, dtype))
+
+
+def _tiles_or_skip() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    if not native.tile_matmul_available():
+        pytest.skip("the tile kernels need AVX512-BF16")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(13, 64), (99, 1536)])  # a tile's tail rows; a long K
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 40])  # passes of 3 rows of x and the rest
+def test_tile_matmul_is_the_dequantized_weights_product(bits: int, n: int, k: int, m: int) -> None:
+    _tiles_or_skip()
+    weight = _weight(bits, n, k, 32 if bits == 4 else k, seed=n + m)
+    packed = pack_for_cpu(weight, torch.bfloat16, "native")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    if bits == 8:
+        out = torch.ops.tollway_cpu.int8_tile_matmul(x, packed.weight, packed.scales, n)
+    else:
+        out = torch.ops.tollway_cpu.int4_tile_matmul(x, packed.weight, packed.scales, packed.mins, n, 32)
+    w = dequantize_native(packed).float()  # the weights the tile kernel dequantizes, bf16 as that op rounds them
+    expected = x.float() @ w.T
+    bound = BOUND[torch.bfloat16] * (x.float().abs() @ w.abs().T) + 1e-6
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert ((out.float() - expected).abs() <= bound).all()
+
+
+def test_cpu_matmul_takes_the_tile_kernel_between_the_crossover_and_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.quantized import cpu as qcpu
+
+    _tiles_or_skip()
+    packed = pack_for_cpu(_weight(4, 64, 128, 32, seed=1), torch.bfloat16, "native")
+    calls: list[int] = []
+    tile = torch.ops.tollway_cpu.int4_tile_matmul
+    monkeypatch.setattr(torch.ops.tollway_cpu, "int4_tile_matmul", lambda x, *a: calls.append(x.shape[0]) or tile(x, *a))
+    crossover = dequantize_from_rows(packed, rounded=False)
+    for rows in (crossover - 1, crossover, qcpu.TILE_GEMM_MAX_ROWS - 1, qcpu.TILE_GEMM_MAX_ROWS):
+        cpu_matmul(torch.randn(rows, 128).bfloat16(), packed)
+    assert calls == [crossover, qcpu.TILE_GEMM_MAX_ROWS - 1]
+    fp32 = pack_for_cpu(_weight(4, 64, 128, 32, seed=1), torch.float32, "native")
+    assert not qcpu.tile_matmul_fits(fp32, torch.randn(32, 128))  # fp32 models keep their float kernels
+
+
+def test_tile_matmul_refuses_fp32_x() -> None:
+    _tiles_or_skip()
+    packed = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.tollway_cpu.int8_tile_matmul(torch.randn(2, 64), packed.weight, packed.scales, 16)
