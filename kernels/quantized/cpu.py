@@ -276,18 +276,18 @@ def dequantize_from_rows(packed: CpuPacked, rounded: bool) -> int:
     return DEQUANTIZE_FROM_ROWS[(packed.dtype, packed.bits)]
 
 
-TILE_GEMM_MAX_ROWS = 96
-"""Below this many rows of bf16 x (and from the crossover) a native packing runs the tile kernel
-(`*_tile_matmul`, kernels/cpu/native/quantized_tiles.cpp: each 8-row tile dequantized once, every row of x
-multiplied by it on AVX512-BF16) instead of dequantizing the whole weight for one unpacked GEMM. 30 layers'
-projections, 2 threads on a 2-core AVX512-BF16 EPYC, int4 / int8: 16 rows 17.7 / 17.7 ms against 23.5 / 27.2,
-48 rows 37.8 / 42.8 against 47.2 / 48.7, 64 rows 47.5 / 48.8 against 51.0 / 57.4, 128 rows 87.4 / 88.1
-against 80.7 / 86.9 (ops/bench/RESULTS.md, issue 22, 2026-11-26)."""
+TILE_GEMM_MAX_ROWS = 1024
+"""Up to this many rows of bf16 x (from the crossover on) a native packing runs the tile kernel
+(`*_tile_matmul`, kernels/cpu/native/quantized_tiles.cpp: each 32 weight rows dequantized once, every row of x
+multiplied by them on AVX512-BF16) instead of dequantizing the whole weight for one unpacked GEMM. 30 layers'
+projections, 2 threads on a 2-core AVX512-BF16 EPYC, int4: 16 rows 18.9 ms against 24.5, 48 rows 34.1 against
+48.2, 128 rows 76.5 against 92.1, 1024 rows 510 against 563 (oneDNN's packed bf16 GEMM of the unquantized model:
+11.3, 33.4, 73.8, 542 ms); int8 alike (ops/bench/RESULTS.md, issue 22, 2026-11-26). Not measured beyond 1024."""
 
 
 def tile_matmul_fits(packed: CpuPacked, x: torch.Tensor) -> bool:
     return (packed.kernel == "native" and packed.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and x.shape[0] < TILE_GEMM_MAX_ROWS and packed.shape[1] % 32 == 0 and native.tile_matmul_available())
+            and x.shape[0] <= TILE_GEMM_MAX_ROWS and packed.shape[1] % 32 == 0 and native.tile_matmul_available())
 
 
 def dense_matmul(x: torch.Tensor, packed: CpuPacked) -> torch.Tensor:

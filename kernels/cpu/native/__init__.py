@@ -26,9 +26,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `int4_matmul_q8` / `int8_matmul_q8` (same arguments, and `kernel="auto"`): the same products with x
   quantized to int8 per block of 32, on integer multiply-adds (`quantized_q8.cpp`: AVX512-VNNI's in
   `quantized_vnni.cpp` where the CPU has them, else AVX2's in `quantized_avx2.cpp`; `q8_kernel()` says which).
-- `int4_tile_matmul` / `int8_tile_matmul` (x bf16, the same weight arguments): each weight tile dequantized once
-  into bf16 and every row of x multiplied by it on AVX512-BF16 (`quantized_tiles.cpp`; where
-  `tile_matmul_available()`), for the rows between the row kernels' crossover and a full GEMM's.
+- `int4_tile_matmul` / `int8_tile_matmul` (x bf16, the same weight arguments): each group of 32 weight rows
+  dequantized once into bf16 and every row of x multiplied by it on AVX512-BF16 (`quantized_tiles.cpp`; where
+  `tile_matmul_available()`), from the row kernels' crossover on.
 
 - `decode_layers(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, tensors, ints,
   floats, Hq, Hkv, D)`: an all-decode step's decoder stack in one call, the ops above in the order of

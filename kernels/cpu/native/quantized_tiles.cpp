@@ -1,14 +1,17 @@
 // torch.ops.tollway_cpu.int4_tile_matmul / int8_tile_matmul: y [M, N] bf16 = x [M, K] bf16 @ W.T for the
 // native weight tiles (quantized_matmul.cpp's layout), on AVX512-BF16, for the rows between the row kernels'
-// crossover and a full GEMM's (kernels/quantized/cpu.py, TILE_GEMM_MAX_ROWS).
+// crossover and 1024 (kernels/quantized/cpu.py, TILE_GEMM_MAX_ROWS).
 //
 // Above the crossover the caller used to dequantize the whole weight into a fresh bf16 tensor and run an
 // unpacked GEMM on it: 30 layers' projections at 48 rows took 50.7 ms on a 2-core EPYC, 8.6 of them writing the
 // dequantized weights and the unpacked GEMM ~20% slower than oneDNN's packed one on the unquantized model. Here
-// each tile's 8 output rows are dequantized once into a thread's buffer (bf16, rounded as int*_dequantize
-// rounds them: the same weights as that path) and every row of x is multiplied by them on vdpbf16ps (32 exact
-// products summed into 16 fp32 lanes per instruction), kRows rows of x per pass with their 8 sums each in
-// registers. The outputs differ from the dequantized GEMM's only in fp32 summation order.
+// each group of 4 tiles (32 output rows of W) is dequantized once into a thread's buffer (bf16, rounded as
+// int*_dequantize rounds them: the same weights as that path), transposed into pairs of K (each 32 bits holds
+// w[c][2p] and w[c][2p + 1]), and every row of x is multiplied by it on vdpbf16ps: a broadcast pair of x times
+// 16 columns' pairs, 32 exact products summed into 16 fp32 columns per instruction, kRows rows of x per pass.
+// No horizontal sums (a first version summed 8 dot products per row and tile across lanes: 37.8 ms for 30 layers'
+// projections at 48 rows where this takes 34.1, level with oneDNN's packed bf16 GEMM of the unquantized model).
+// The outputs differ from the dequantized GEMM's only in fp32 summation order.
 #include "common.h"
 #include "quantized_q8.h"
 
@@ -24,7 +27,8 @@ constexpr int64_t kTile = tollway_q8::kTile;  // output rows per weight tile
 constexpr int64_t kBytes = 16;                // bytes of one row's block: 32 int4 or 16 int8 codes
 
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t kRows = 3;  // rows of x per pass: 3 x 8 accumulators, 3 rows' x and a weight vector
+constexpr int64_t kCols = 32;  // output columns per group: 4 weight tiles, two vectors of 16 fp32 sums
+constexpr int64_t kRows = 6;   // rows of x per pass: 6 x 2 accumulators, the group's two weight vectors
 
 // Tile t's 8 rows dequantized into buf [8][K] bf16: int4 w = q * scale + min per group, int8 w = q * scale.
 template <int64_t Bits>
@@ -51,28 +55,68 @@ void dequantize_tile(const uint8_t* tile, const float* scales, const float* mins
   }
 }
 
-// y[m0 .. m0 + R) columns [n0, n0 + cols) = x rows . the tile's dequantized rows (buf [8][K]).
-template <int64_t R>
-TOLLWAY_BF16_DOT void tile_rows(const BFloat16* x, int64_t m0, int64_t K, const BFloat16* buf, BFloat16* y,
-                                int64_t N, int64_t n0, int64_t cols) {
-  __m512 acc[R][kTile];
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kTile; ++c) acc[r][c] = _mm512_setzero_ps();
+// The 16 x 16 block of 32-bit values in r transposed in place (r[i] lane j -> r[j] lane i): 32-bit and 64-bit
+// interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles.
+TOLLWAY_BF16_DOT inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int64_t q = 0; q < 4; ++q) {  // rows 4q .. 4q + 3
+    t[4 * q + 0] = _mm512_unpacklo_epi32(r[4 * q], r[4 * q + 1]);
+    t[4 * q + 1] = _mm512_unpackhi_epi32(r[4 * q], r[4 * q + 1]);
+    t[4 * q + 2] = _mm512_unpacklo_epi32(r[4 * q + 2], r[4 * q + 3]);
+    t[4 * q + 3] = _mm512_unpackhi_epi32(r[4 * q + 2], r[4 * q + 3]);
+    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);  // column 4L + 0 of lane L, rows 4q..4q+3
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
   }
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xr[R];
-    for (int64_t r = 0; r < R; ++r) xr[r] = (__m512bh)_mm512_loadu_si512(x + (m0 + r) * K + k);
+  for (int64_t j = 0; j < 4; ++j) {
+    const __m512i va = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), vb = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+    const __m512i wa = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i wb = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    r[j] = _mm512_shuffle_i32x4(va, wa, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(va, wa, 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(vb, wb, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(vb, wb, 0xdd);
+  }
+}
+
+// The group's dequantized rows (buf [kCols][K] bf16) as pairs [K / 2][kCols] of 32 bits: pairs[p][c] holds
+// w[c][2p] and w[c][2p + 1], what vdpbf16ps multiplies by a broadcast pair of x.
+TOLLWAY_BF16_DOT void to_pairs(const BFloat16* buf, int64_t K, uint32_t* pairs) {
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(buf);  // [kCols][K / 2]
+  for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
+    for (int64_t c0 = 0; c0 < kCols; c0 += 16) {
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (c0 + i) * (K / 2) + p0);
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(pairs + (p0 + j) * kCols + c0, r[j]);
+    }
+  }
+}
+
+// y[m0 .. m0 + R) columns [n0, n0 + cols) = x rows @ the group's weights (pairs): R x 2 accumulators of 16
+// columns, x's pairs broadcast; no horizontal sums.
+template <int64_t R>
+TOLLWAY_BF16_DOT void pair_rows(const BFloat16* x, int64_t m0, int64_t K, const uint32_t* pairs, BFloat16* y,
+                                int64_t N, int64_t n0, int64_t cols) {
+  __m512 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + p * kCols);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + p * kCols + 16);
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kTile; ++c) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(buf + c * K + k);
-      for (int64_t r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr[r], w);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x32[(m0 + r) * (K / 2) + p]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    alignas(32) float sums[kTile];
-    reduce4(Vec(acc[r][0]), Vec(acc[r][1]), Vec(acc[r][2]), Vec(acc[r][3]), sums);
-    reduce4(Vec(acc[r][4]), Vec(acc[r][5]), Vec(acc[r][6]), Vec(acc[r][7]), sums + 4);
-    for (int64_t c = 0; c < cols; ++c) y[(m0 + r) * N + n0 + c] = BFloat16(sums[c]);
+    for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols - 16 * h)) - 1);
+      _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0 + 16 * h, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][h]));
+    }
   }
 }
 
@@ -80,17 +124,27 @@ template <int64_t Bits>
 void tile_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
                  int64_t N, int64_t group, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), tiles = qweight.size(0), tile_bytes = qweight.size(1);
+  constexpr int64_t per_group = kCols / kTile;  // weight tiles per group of columns
   const BFloat16* xp = x.data_ptr<BFloat16>();
   const uint8_t* wp = static_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;
   BFloat16* yp = out.data_ptr<BFloat16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<BFloat16> buf(kTile * K);  // this thread's dequantized tile, reused tile after tile
-    for (int64_t t = begin; t < end; ++t) {
-      dequantize_tile<Bits>(wp + t * tile_bytes, sp, mp, t, K, group, buf.data());
-      const int64_t cols = std::min(kTile, N - t * kTile);
-      auto pass = [&]<int64_t R>(int64_t m0) { tile_rows<R>(xp, m0, K, buf.data(), yp, N, t * kTile, cols); };
+  at::parallel_for(0, (tiles + per_group - 1) / per_group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BFloat16> buf(kCols * K);        // this thread's group of dequantized rows
+    std::vector<uint32_t> pairs(kCols * K / 2);  // the same as pairs of K
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t i = 0; i < per_group; ++i) {
+        const int64_t t = g * per_group + i;
+        if (t < tiles) {
+          dequantize_tile<Bits>(wp + t * tile_bytes, sp, mp, t, K, group, buf.data() + i * kTile * K);
+        } else {  // past the last tile: zero rows, whose columns are not stored
+          std::fill(buf.begin() + i * kTile * K, buf.begin() + (i + 1) * kTile * K, BFloat16(0.f));
+        }
+      }
+      to_pairs(buf.data(), K, pairs.data());
+      const int64_t n0 = g * kCols, cols = std::min(kCols, N - n0);
+      auto pass = [&]<int64_t R>(int64_t m0) { pair_rows<R>(xp, m0, K, pairs.data(), yp, N, n0, cols); };
       tollway_q8::row_passes<kRows>(M, pass);
     }
   });
