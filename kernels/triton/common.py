@@ -63,10 +63,14 @@ def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
     offsets = blocks[:, None] * stride_block + (tokens % BLOCK_SIZE)[:, None] * stride_slot
     rows = cache_ptr + offsets + kv_head * stride_head  # [tokens, 1]
     values = tl.load(rows + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+    # One return, the branches assigning it: Triton compiles both returns of an early `return` and
+    # refuses their different types (fp32 and int8), where the interpreter runs only the one taken.
     if QUANT:  # the scale's 4 bytes follow the codes; rows are 4-byte aligned when HEAD_DIM % 4 == 0 (every model served)
         scales = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=token_ok[:, None], other=0.0)
-        return values.to(tl.float32) * scales
-    return values
+        tile = values.to(tl.float32) * scales
+    else:
+        tile = values
+    return tile
 
 
 @triton.jit
