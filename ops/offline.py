@@ -103,7 +103,8 @@ def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineC
         raise click.ClickException(f"TOLLWAY_KV_CACHE_DTYPE: {exc}") from exc
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, kv_cache_dtype=settings.kv_cache_dtype,
                         max_batch_tokens=settings.max_batch_tokens,
-                        attention=settings.attention, compile=settings.compile, scheduling=settings.scheduling,
+                        attention=settings.attention, compile=settings.compile, cuda_graphs=settings.cuda_graphs,
+                        scheduling=settings.scheduling,
                         max_running_per_tenant=settings.max_running_per_tenant,
                         speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,
                         speculative_ngram=settings.speculative_ngram, draft_model=draft_model,

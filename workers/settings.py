@@ -46,8 +46,9 @@ class WorkerSettings(TracingSettings):
     and head (kernels/kv_int8.py), 68 bytes per 64 values. workers/precision.py `resolve_kv_cache_dtype`."""
     kv_cache_mb: int = 2048
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
-    max_batch_tokens: int = 1024
-    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of one engine step (prefill chunks + decodes); unset: 1024 on a CPU, 8192 on a GPU
+    (workers/engine/config.py STEP_TOKENS)."""
     scheduling: Literal["fair", "fcfs"] = "fair"
     """Admission order when requests wait: fair (per-tenant virtual token counters, workers/engine/fairness.py;
     interactive before batch) or fcfs (interactive before batch, then longest cached prefix, then arrival)."""
@@ -58,6 +59,9 @@ class WorkerSettings(TracingSettings):
     """Attention backend: auto (Triton on CUDA; on a CPU native when its C++ ops build here, else cpu), cpu
     (the torch CPU path), native (C++ ops reading the paged cache in place, built once per machine), triton (on a CPU only with
     TRITON_INTERPRET=1), reference (the slow torch reference, for debugging)."""
+    cuda_graphs: bool = True
+    """On CUDA, decode steps replayed as CUDA graphs captured per batch bucket at start (workers/engine/cuda_graphs.py);
+    false: every step eager. No effect on a CPU."""
     compile: Literal["off", "decode"] = "off"
     """decode: the CPU decode step torch.compiled (inductor) per batch bucket, padded to it (cpu and native
     backends, plain Llama layers; workers/engine/compiled_decode.py); each bucket compiles on first use."""

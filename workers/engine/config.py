@@ -13,6 +13,16 @@ from workers.engine.admission import Policy
 from workers.engine.drafter import SpeculativeMode
 
 CompileMode = Literal["off", "decode"]
+# One step's token budget (prefill chunks + decodes) when the config leaves it open. A CPU step's time
+# grows with its tokens, so a small budget keeps decodes flowing beside long prompts; a GPU step of
+# 8,192 tokens costs little more than one of 1,024 (launches and weights dominate), and fewer eager
+# prefill steps before the graphed decodes pay (ops/bench/gpu_engine.py: no sharing 4 x 8 x 380 tokens).
+STEP_TOKENS = {"cpu": 1024, "cuda": 8192}
+
+
+def step_token_budget(max_batch_tokens: int | None, device_type: str) -> int:
+    """The step budget: the configured one, else the device's default (STEP_TOKENS)."""
+    return max_batch_tokens or STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])
 
 
 @dataclass(frozen=True)
@@ -21,14 +31,14 @@ class EngineConfig:
     num_blocks: int | None = None  # None: sized from kv_budget_bytes
     kv_budget_bytes: int = 2 * 2**30
     kv_cache_dtype: str = "model"  # the cache's dtype: model, float16, bfloat16 (workers/precision.py)
-    max_batch_tokens: int = 1024
+    max_batch_tokens: int | None = None  # None: STEP_TOKENS by device (step_token_budget)
     max_running: int = 64
     max_running_per_tenant: int = 0  # 0: no cap on one tenant's running sequences (admission.py)
     max_wait_s: float = 30.0
     max_context: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
     compile: CompileMode = "off"  # decode: the CPU decode step torch.compiled per batch bucket (compiled_decode.py)
-    cuda_graphs: bool = False  # decode steps replayed as CUDA graphs by batch bucket (CUDA only; not yet measured)
+    cuda_graphs: bool = True  # on CUDA, decode steps replayed as CUDA graphs by batch bucket (cuda_graphs.py)
     scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
     speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
     speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)

@@ -1,10 +1,11 @@
 """Captured decode steps on CUDA: one CUDA graph per (batch bucket, context bucket)
 (graph_buckets.py), replayed with the step's inputs copied into the graph's static buffers.
 
-Opt-in (`EngineConfig.cuda_graphs`) and NOT MEASURED: it was written on a host without a GPU, so
-neither its speed nor its correctness on a device has been checked yet; the bucketing and padding
-it relies on are unit-tested on the CPU (tests/unit/workers/test_graph_buckets.py), and so is the
-whole protocol with `_EagerReplay` standing in for the capture (tests/unit/workers/test_tensor_parallel.py).
+On by default on CUDA (`EngineConfig.cuda_graphs`, TOLLWAY_CUDA_GRAPHS); every batch bucket is captured
+at start at the first context bucket (`warm_up`), larger contexts on first use. Measured on an H200
+(ops/bench/gpu_engine.py, tests/unit/kernels/test_gpu.py); the bucketing and padding are unit-tested on
+the CPU too (tests/unit/workers/test_graph_buckets.py), and so is the whole protocol with `_EagerReplay`
+standing in for the capture (tests/unit/workers/test_tensor_parallel.py).
 Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly.
 With layer groups (cache/kv_layout.py) every group has its own static block tables and slots.
 
@@ -24,7 +25,13 @@ import torch
 
 from cache.kv_storage import KVStorage
 from kernels.metadata import Backend, PagedAttentionMetadata
-from workers.engine.graph_buckets import DEFAULT_BATCH_BUCKETS, batch_bucket, context_bucket, pad_decode_batch
+from workers.engine.graph_buckets import (
+    DEFAULT_BATCH_BUCKETS,
+    MIN_CONTEXT_BUCKET,
+    batch_bucket,
+    context_bucket,
+    pad_decode_batch,
+)
 from workers.models.llama import LlamaForCausalLM
 
 
@@ -56,6 +63,11 @@ class DecodeGraphs:
         self.buckets = tuple(buckets)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if kv.keys[0].device.type == "cuda" else None
+        # A graph reads the rotary tables at the addresses they had at its capture: grown later, they
+        # would move and the graph would read freed memory. So they reach, now, the longest context
+        # the cache can hold (or the model's limit), and `reserve` never rebuilds them after.
+        longest = min(dummy_block * kv.block_size, model.config.max_position_embeddings)
+        model.rotary.reserve(longest, model.device)
 
     def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
             logit_rows: torch.Tensor) -> torch.Tensor | None:
@@ -84,14 +96,30 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.logits[: meta.num_seqs][logit_rows]
 
-    def _capture(self, bucket: int, ctx: int) -> _Captured:
-        device = self.model.device
+    def warm_up(self) -> None:
+        """Capture every batch bucket at the first context bucket now, at start, so that no serving
+        step stalls on a capture until contexts outgrow it. Each capture goes through `run` with
+        an all-padding step, so sharded models' other ranks capture with it."""
+        for bucket in self.buckets:
+            input_ids = torch.zeros(bucket, dtype=torch.long, device=self.model.device)
+            meta = self._padding_step(bucket, MIN_CONTEXT_BUCKET)
+            self.run(input_ids, meta, torch.arange(bucket, device=self.model.device))
+
+    def _padding_step(self, bucket: int, ctx: int) -> PagedAttentionMetadata:
+        """A decode step of `bucket` padding rows (one token each, in the dummy block), its block
+        tables `ctx` tokens wide."""
         block_size = self.kv.block_size
+
         def dummy_tables() -> torch.Tensor:
-            return torch.full((bucket, ctx // block_size), self.dummy_block, dtype=torch.int32, device=device)
+            return torch.full((bucket, ctx // block_size), self.dummy_block, dtype=torch.int32, device=self.model.device)
 
         meta = PagedAttentionMetadata.from_tables([1] * bucket, [1] * bucket, dummy_tables(), block_size, self.backend)
         meta.other_groups = [meta.with_tables(dummy_tables()) for _ in range(1, self.kv.layout.num_groups)]
+        return meta
+
+    def _capture(self, bucket: int, ctx: int) -> _Captured:
+        device = self.model.device
+        meta = self._padding_step(bucket, ctx)
         meta.context_lens_list = [ctx] * bucket  # Python-side sizes (the decode grid) fixed at the bucket
         input_ids = torch.zeros(bucket, dtype=torch.long, device=device)
         if device.type != "cuda":  # the stand-in (tests): each replay runs the model on the static buffers

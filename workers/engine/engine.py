@@ -22,7 +22,7 @@ from opentelemetry.trace import Tracer
 from cache.block_pool import BlockPool
 from workers.engine import grammar, speculative
 from workers.engine.batch import StepUpdate
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, step_token_budget
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
 from workers.engine.detokenize import OutputText
 from workers.engine.draft_model import DraftTarget
@@ -45,7 +45,8 @@ class Engine:
         self.loaded = loaded
         self.name = name or loaded.folder.name
         self.cache, self.runner = build_runner(loaded, config)
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.max_running, config.max_wait_s,
+        step_tokens = step_token_budget(config.max_batch_tokens, loaded.model.device.type)
+        self.scheduler = Scheduler(self.cache, step_tokens, config.max_running, config.max_wait_s,
                                    config.scheduling, config.max_running_per_tenant)
         c = loaded.model.config
         self.max_context = config.max_context or min(c.max_position_embeddings, 8192)

@@ -50,6 +50,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[KVCacheMana
     bucketed: BucketedDecode | None = None
     if graphs:
         bucketed = DecodeGraphs(model, kv, num_blocks, backend)
+        bucketed.warm_up()
     elif compiled:
         bucketed = CompiledDecode(model, kv, num_blocks, backend)
     return cache, ModelRunner(model, kv, backend, bucketed)

@@ -8,6 +8,8 @@ compiles or behaves differently when really compiled (tile shapes, masks, bf16 c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,7 +17,9 @@ from kernels import reference
 from kernels.dispatch import select_backend
 from tests.unit.kernels.test_kernels import FULL_GRID, make_case, tolerance
 from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.engine import Engine
+from workers.engine.graph_buckets import DEFAULT_BATCH_BUCKETS, MIN_CONTEXT_BUCKET, batch_bucket
 from workers.engine.request import FinishReason
 from workers.wire.sampling import SamplingParams
 
@@ -99,13 +103,14 @@ def gpu_pair(tmp_path_factory: pytest.TempPathFactory):
     return ours, theirs.to(DEVICE).eval()
 
 
-@pytest.mark.parametrize(
-    "config",
-    [EngineConfig(num_blocks=200), EngineConfig(num_blocks=200, max_batch_tokens=16),
-     EngineConfig(num_blocks=12, block_size=8)],
-    ids=["batched", "chunked", "preempting"],
-)
-def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, config: EngineConfig) -> None:
+REGIMES = {"batched": EngineConfig(num_blocks=200), "chunked": EngineConfig(num_blocks=200, max_batch_tokens=16),
+           "preempting": EngineConfig(num_blocks=12, block_size=8)}
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, regime: str, graphs: bool) -> None:
+    config = dataclasses.replace(REGIMES[regime], cuda_graphs=graphs)
     ours, theirs = gpu_pair
     assert ours.model.device.type == "cuda" and select_backend(ours.model.device) == "triton"
     gen = torch.Generator().manual_seed(0)
@@ -125,3 +130,35 @@ def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, config: EngineConfi
         engine.check_integrity()
         assert engine.all_blocks_free_or_evictable()
     assert engine.runner.kv.keys[0].device.type == "cuda"
+    captured = engine.runner.graphs
+    if graphs:  # the decode steps were replayed graphs, not eager steps
+        assert isinstance(captured, DecodeGraphs) and captured.graphs
+    else:
+        assert captured is None
+
+
+def test_captured_decode_gives_the_eager_tokens_with_one_graph_per_bucket(gpu_pair) -> None:
+    """Batches of varied sizes: the eager engine's tokens; a graph per batch bucket met (contexts stay
+    under the first context bucket), none captured again on a second round of the same batches.
+    (A batch prefilled over several steps also meets the buckets of its stragglers, so only the
+    small ones' buckets are certain.)"""
+    ours, _ = gpu_pair
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 3, 5, 9, 17, 33, 2, 70]  # 70: beyond the largest bucket, eager
+    batches = [[torch.randint(3, 128, (int(n),), generator=gen).tolist() for n in torch.randint(2, 60, (size,))]
+               for size in sizes]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = Engine(ours, EngineConfig(num_blocks=400))
+    graphed = Engine(ours, EngineConfig(num_blocks=400, cuda_graphs=True))
+    captured = graphed.runner.graphs
+    assert isinstance(captured, DecodeGraphs)
+    for round_index in range(2):
+        for prompts in batches:
+            expected = [s.output_ids for s in eager.generate_batch(prompts, params)]
+            assert [s.output_ids for s in graphed.generate_batch(prompts, params)] == expected
+        if round_index == 0:
+            first_round = set(captured.graphs)
+    assert set(captured.graphs) == first_round  # no capture storm: the second round replayed them all
+    assert {(batch_bucket(size), MIN_CONTEXT_BUCKET) for size in (1, 3, 5, 9)} <= first_round
+    assert all(bucket in DEFAULT_BATCH_BUCKETS and ctx == MIN_CONTEXT_BUCKET for bucket, ctx in first_round)
+    graphed.check_integrity()

@@ -1,6 +1,7 @@
 """Decode buckets (workers/engine/graph_buckets.py): bucket choice, eager fallback beyond the largest
 bucket, and padding rows that leave the real rows' logits and K/V untouched (they write only the
-reserved dummy block), on the CPU path and the native one."""
+reserved dummy block), on the CPU path and the native one; the settings that turn graphs on and
+size a step."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from cache.block_table import BlockTable
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import unavailable
+from workers.engine.config import STEP_TOKENS, step_token_budget
+from workers.engine.engine import Engine
 from workers.engine.graph_buckets import batch_bucket, context_bucket, pad_decode_batch
 from workers.models.loader import load_model
+from workers.models.tiny import write_tiny_model_folder
 from workers.paged_step import run_step
 
 
@@ -28,8 +32,6 @@ def test_bucket_choice_and_eager_fallback() -> None:
 
 @pytest.mark.parametrize("backend", ["cpu", "native"])
 def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
-    from workers.models.tiny import write_tiny_model_folder
-
     if backend == "native" and not native.load():
         unavailable(str(native.unavailable_reason()))
     model = load_model(write_tiny_model_folder(tmp_path / "m", "llama", seed=2), torch.float32).model
@@ -58,3 +60,28 @@ def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
         real[dummy_block] = False
         # only the dummy block differs (up to the GEMM's rounding, which may depend on the row count)
         torch.testing.assert_close(cache[real], eager[real], atol=1e-5, rtol=1e-5)
+
+
+def test_graph_and_step_budget_settings_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """TOLLWAY_CUDA_GRAPHS (on by default) and TOLLWAY_MAX_BATCH_TOKENS (unset: by device) reach the engine;
+    on a CPU the graphs setting changes nothing and the step budget is the CPU's."""
+    from pydantic import ValidationError
+
+    from ops.offline import engine_config
+    from workers.settings import WorkerSettings
+
+    config = engine_config(WorkerSettings())
+    assert config.cuda_graphs and config.max_batch_tokens is None
+    assert step_token_budget(None, "cpu") == STEP_TOKENS["cpu"] == 1024
+    assert step_token_budget(None, "cuda") == STEP_TOKENS["cuda"] == 8192
+    assert step_token_budget(300, "cuda") == 300
+    engine = Engine(load_model(write_tiny_model_folder(tmp_path / "m", "llama"), torch.float32), config)
+    assert engine.scheduler.max_batch_tokens == 1024 and engine.runner.graphs is None
+    monkeypatch.setenv("TOLLWAY_CUDA_GRAPHS", "false")
+    monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "2048")
+    config = engine_config(WorkerSettings())
+    assert not config.cuda_graphs and config.max_batch_tokens == 2048
+    assert Engine(load_model(tmp_path / "m", torch.float32), config).scheduler.max_batch_tokens == 2048
+    monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "0")
+    with pytest.raises(ValidationError):
+        WorkerSettings()
