@@ -64,7 +64,7 @@ class Result:
         extra = ""
         if self.hit_rate is not None:
             extra = f"  hit {self.hit_rate:5.1%}  KV util at peak {self.kv_utilization:5.1%}"
-        return (f"{self.name:32} {self.output_tokens / self.seconds:9.1f} {(self.prompt_tokens + self.output_tokens) / self.seconds:9.1f}"
+        return (f"{self.name:34} {self.output_tokens / self.seconds:9.1f} {(self.prompt_tokens + self.output_tokens) / self.seconds:9.1f}"
                 f" {p50:8.2f} {p99:8.2f}{extra}")
 
 
@@ -82,8 +82,9 @@ def workload(shared: bool, groups: int, per_group: int, system: int, question: i
     return prompts
 
 
-def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name: str) -> Result:
-    engine = Engine(loaded, EngineConfig(max_batch_tokens=1024, kv_budget_bytes=KV_BUDGET))
+def run_engine(loaded: LoadedModel, prompts: list[list[int]], output: int, name: str,
+               config: EngineConfig | None = None) -> Result:
+    engine = Engine(loaded, config or EngineConfig(max_batch_tokens=1024, kv_budget_bytes=KV_BUDGET))
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
@@ -209,7 +210,7 @@ def main() -> None:
     for shared in (True, False):
         prompts = workload(shared, args.groups, args.per_group, args.system, args.question, seed=1)
         print(f"\n{'shared-prefix' if shared else 'no-sharing'} workload")
-        print(f"{'mode':32} {'out tok/s':>9} {'tot tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8}  (seconds)")
+        print(f"{'mode':34} {'out tok/s':>9} {'tot tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8}  (seconds)")
         results = [run_engine(ours, prompts, args.output, "tollway engine")]
         print(results[-1].row(), flush=True)
         for dt, model in hf.items():
