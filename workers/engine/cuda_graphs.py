@@ -65,9 +65,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if kv.keys[0].device.type == "cuda" else None
         # A graph reads the rotary tables at the addresses they had at its capture: grown later, they
         # would move and the graph would read freed memory. So they reach, now, the longest context
-        # the cache can hold (or the model's limit), and `reserve` never rebuilds them after.
-        longest = min(dummy_block * kv.block_size, model.config.max_position_embeddings)
-        model.rotary.reserve(longest, model.device)
+        # the cache can hold (or the model's limit), and are never rebuilt after.
+        model.reserve_positions(min(dummy_block * kv.block_size, model.config.max_position_embeddings))
 
     def run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata,
             logit_rows: torch.Tensor) -> torch.Tensor | None:

@@ -86,6 +86,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         assert config.local_rope is not None
         self.local_rotary = RotaryTable(config.local_rope, config.head_dim, min(config.max_position_embeddings, 4096))
 
+    def reserve_positions(self, longest: int) -> None:
+        super().reserve_positions(longest)
+        self.local_rotary.reserve(longest - 1, self.device)
+
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata) -> torch.Tensor:
         """As LlamaForCausalLM.hidden_states (which `forward` and prompt logprobs call): embeddings

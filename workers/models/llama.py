@@ -180,6 +180,11 @@ class LlamaForCausalLM(nn.Module):
                 hidden = layer(hidden, cos, sin, kv, meta)
         return hidden
 
+    def reserve_positions(self, longest: int) -> None:
+        """Make the rotary tables hold positions 0 .. longest - 1 now, on the model's device, so that
+        no later step rebuilds (moves) them: a captured step reads them where they were at capture."""
+        self.rotary.reserve(longest - 1, self.device)
+
     # -- ranks: a model sharded over processes (workers/parallel/model.py) overrides these two ------
     def announce_captured_step(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, dummy_block: int) -> None:
         """A captured decode step (workers/engine/cuda_graphs.py) is about to be captured or replayed

@@ -188,6 +188,8 @@ def test_mixed_windows_under_captured_decode_steps(family) -> None:
     outputs = engine.generate_batch(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     assert [s.output_ids for s in outputs] == [hf_greedy(theirs, p, 40) for p in prompts]
     assert (4, 256) in graphs.graphs and engine.cache.all_free_or_evictable()
+    loaded.model.reserve_positions(5000)  # what DecodeGraphs asks of a model: both RoPE tables reach it
+    assert loaded.model.rotary._cos.shape[0] >= 5000 and loaded.model.local_rotary._cos.shape[0] >= 5000
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"], indirect=True)

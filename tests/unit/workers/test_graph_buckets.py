@@ -85,3 +85,21 @@ def test_graph_and_step_budget_settings_reach_the_engine(monkeypatch: pytest.Mon
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "0")
     with pytest.raises(ValidationError):
         WorkerSettings()
+
+
+def test_captured_steps_find_the_rotary_tables_where_they_were(tmp_path: Path) -> None:
+    """A graph reads the rotary tables at their capture addresses, so DecodeGraphs makes them reach the
+    longest context the cache holds before any capture: a later step with a long context finds them in
+    place (the tables start at 4,096 positions and used to double, moving, when a context passed that).
+    Gemma's second (local) table: tests/unit/workers/test_architectures.py."""
+    from workers.engine.cuda_graphs import DecodeGraphs
+
+    model = load_model(write_tiny_model_folder(tmp_path / "m", "llama", max_position_embeddings=8192),
+                       torch.float32).model
+    kv = model.allocate_kv(701, 8)
+    assert model.rotary._cos.shape[0] == 4096
+    DecodeGraphs(model, kv, 700, "cpu")
+    where = model.rotary._cos.data_ptr()
+    assert model.rotary._cos.shape[0] >= 700 * 8
+    model.rotary.gather(torch.tensor([700 * 8 - 1]), 700 * 8 - 1, torch.float32)
+    assert model.rotary._cos.data_ptr() == where
