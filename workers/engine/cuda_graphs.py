@@ -6,7 +6,8 @@ at start at the first context bucket (`warm_up`), larger contexts on first use. 
 (ops/bench/gpu_engine.py, tests/unit/kernels/test_gpu.py); the bucketing and padding are unit-tested on
 the CPU too (tests/unit/workers/test_graph_buckets.py), and so is the whole protocol with `_EagerReplay`
 standing in for the capture (tests/unit/workers/test_tensor_parallel.py).
-Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly.
+Steps that are not all decodes, or hold more sequences than the largest bucket, run eagerly; so does
+every step after a capture fails (a model whose step syncs with the host, say), logged once.
 With layer groups (cache/kv_layout.py) every group has its own static block tables and slots.
 
 Tensor parallel (workers/parallel/model.py): every rank keeps its own graphs of its shard. Before a
@@ -18,6 +19,7 @@ The body of a capture or replay is `unannounced`: nothing inside a graph talks t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ from workers.engine.graph_buckets import (
     pad_decode_batch,
 )
 from workers.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class _EagerReplay:
@@ -62,6 +66,7 @@ class DecodeGraphs:
         self.model, self.kv, self.dummy_block, self.backend = model, kv, dummy_block, backend
         self.buckets = tuple(buckets)
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.failed: str | None = None  # why a capture failed (then every step runs eagerly)
         self.pool = torch.cuda.graph_pool_handle() if kv.keys[0].device.type == "cuda" else None
         # A graph reads the rotary tables at the addresses they had at its capture: grown later, they
         # would move and the graph would read freed memory. So they reach, now, the longest context
@@ -72,11 +77,18 @@ class DecodeGraphs:
             logit_rows: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logit_rows), V] of an all-decode step, or None: run it eagerly."""
         bucket = batch_bucket(meta.num_seqs, self.buckets)
-        if bucket is None or meta.num_decodes != meta.num_seqs:
+        if self.failed is not None or bucket is None or meta.num_decodes != meta.num_seqs:
             return None
         self.model.announce_captured_step(input_ids, meta, self.dummy_block)
         with self.model.unannounced():
-            return self._run(input_ids, meta, bucket, logit_rows)
+            try:
+                return self._run(input_ids, meta, bucket, logit_rows)
+            except RuntimeError as exc:  # eager from now on; the step is redone (its K/V writes are idempotent)
+                if (bucket, context_bucket(meta.max_context_len)) in self.graphs:
+                    raise  # a replay that fails is a real error, not a step that cannot be captured
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed (batch bucket %d), decoding eagerly: %s", bucket, self.failed)
+                return None
 
     def _run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, bucket: int,
              logit_rows: torch.Tensor) -> torch.Tensor:

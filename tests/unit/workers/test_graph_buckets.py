@@ -15,7 +15,7 @@ from cache.block_table import BlockTable
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import unavailable
-from workers.engine.config import STEP_TOKENS, step_token_budget
+from workers.engine.config import STEP_TOKENS, EngineConfig, step_token_budget
 from workers.engine.engine import Engine
 from workers.engine.graph_buckets import batch_bucket, context_bucket, pad_decode_batch
 from workers.models.loader import load_model
@@ -103,3 +103,32 @@ def test_captured_steps_find_the_rotary_tables_where_they_were(tmp_path: Path) -
     assert model.rotary._cos.shape[0] >= 700 * 8
     model.rotary.gather(torch.tensor([700 * 8 - 1]), 700 * 8 - 1, torch.float32)
     assert model.rotary._cos.data_ptr() == where
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that raises (as CUDA does for a step that syncs with the host) leaves the engine decoding
+    eagerly with the same tokens, says why once, and tries no capture again. Here on the CPU stand-in."""
+    from workers.engine.cuda_graphs import DecodeGraphs
+    from workers.engine.runner import ModelRunner
+    from workers.wire.sampling import SamplingParams
+
+    loaded = load_model(write_tiny_model_folder(tmp_path / "m", "llama", seed=1), torch.float32)
+    prompts = [[5, 9, 11, 40], [7, 8, 3, 99, 100, 20], [12]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [s.output_ids for s in Engine(loaded, EngineConfig(num_blocks=40)).generate_batch(prompts, params)]
+    engine = Engine(loaded, EngineConfig(num_blocks=40))
+    kv = loaded.model.allocate_kv(41, engine.runner.kv.block_size)
+    graphs = DecodeGraphs(loaded.model, kv, 40, "cpu", buckets=(4,))
+    attempts = []
+
+    def refuse(bucket: int, ctx: int) -> None:
+        attempts.append(bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", refuse)
+    engine.runner = ModelRunner(loaded.model, kv, "cpu", graphs)
+    with caplog.at_level("WARNING", logger="workers.engine.cuda_graphs"):
+        assert [s.output_ids for s in engine.generate_batch(prompts, params)] == expected
+    assert attempts == [4] and graphs.failed is not None and not graphs.graphs
+    assert "decoding eagerly" in caplog.text
