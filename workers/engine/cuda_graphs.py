@@ -81,19 +81,19 @@ class DecodeGraphs:
             return None
         self.model.announce_captured_step(input_ids, meta, self.dummy_block)
         with self.model.unannounced():
+            return self._run(input_ids, meta, bucket, logit_rows)
+
+    def _run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, bucket: int,
+             logit_rows: torch.Tensor) -> torch.Tensor | None:
+        ctx = context_bucket(meta.max_context_len)
+        captured = self.graphs.get((bucket, ctx))
+        if captured is None:
             try:
-                return self._run(input_ids, meta, bucket, logit_rows)
+                captured = self._capture(bucket, ctx)
             except RuntimeError as exc:  # eager from now on; the step is redone (its K/V writes are idempotent)
-                if (bucket, context_bucket(meta.max_context_len)) in self.graphs:
-                    raise  # a replay that fails is a real error, not a step that cannot be captured
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed (batch bucket %d), decoding eagerly: %s", bucket, self.failed)
                 return None
-
-    def _run(self, input_ids: torch.Tensor, meta: PagedAttentionMetadata, bucket: int,
-             logit_rows: torch.Tensor) -> torch.Tensor:
-        ctx = context_bucket(meta.max_context_len)
-        captured = self.graphs.get((bucket, ctx)) or self._capture(bucket, ctx)
         padded = pad_decode_batch(input_ids, meta, bucket, self.dummy_block, self.backend)
         static = captured.meta
         captured.input_ids.copy_(padded.input_ids)
