@@ -104,6 +104,7 @@ def engine_config(settings: WorkerSettings, dtype: str | None = None) -> EngineC
     return EngineConfig(kv_budget_bytes=settings.kv_cache_mb * 2**20, kv_cache_dtype=settings.kv_cache_dtype,
                         max_batch_tokens=settings.max_batch_tokens,
                         attention=settings.attention, compile=settings.compile, cuda_graphs=settings.cuda_graphs,
+                        overlap=settings.overlap,
                         scheduling=settings.scheduling,
                         max_running_per_tenant=settings.max_running_per_tenant,
                         speculative=settings.speculative, speculative_tokens=settings.speculative_tokens,

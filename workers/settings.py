@@ -62,6 +62,9 @@ class WorkerSettings(TracingSettings):
     cuda_graphs: bool = True
     """On CUDA, decode steps replayed as CUDA graphs captured per batch bucket at start (workers/engine/cuda_graphs.py);
     false: every step eager. No effect on a CPU."""
+    overlap: Literal["auto", "on", "off"] = "auto"
+    """Overlapped steps (workers/engine/overlap.py): the host schedules and launches step N+1 while the device runs
+    step N, reading step N's tokens after. auto: on CUDA; on: also on a CPU (nothing overlaps there: for tests)."""
     compile: Literal["off", "decode"] = "off"
     """decode: the CPU decode step torch.compiled (inductor) per batch bucket, padded to it (cpu and native
     backends, plain Llama layers; workers/engine/compiled_decode.py); each bucket compiles on first use."""

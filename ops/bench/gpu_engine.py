@@ -7,9 +7,11 @@ tied embeddings); the speed of a step does not depend on the weights' values. Pa
 
 - `workloads`: engine_gsp.py's shared-prefix and no-sharing workloads (4 x 8, 350 + 30 prompt tokens,
   32 out) through the engine eager, with CUDA graphs and 1,024-token steps (the CPU's budget), and
-  with CUDA graphs at the device's default step budget; transformers' static `generate` in fp32
+  with CUDA graphs at the device's default step budget, and that with overlapped steps (the default on
+  CUDA; the other modes turn it off); transformers' static `generate` in fp32
   and bf16; output tok/s, and each engine mode over the best transformers mode.
-- `step`: the engine's decode step at batch 32 (~380-token contexts), eager and graphed: wall time,
+- `step`: the engine's decode step at batch 32 (~380-token contexts), eager, graphed and graphed with
+  overlapped steps (workers/engine/overlap.py: the host schedules step N+1 while the GPU runs N): wall time,
   the GPU's busy time inside it (kernel intervals from the torch profiler, merged), and the busy
   share of the wall; also the captured graph replayed alone (the step's GPU time with no host work),
   and with `--host-profile N` where the graphed step's host time goes.
@@ -36,7 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ops.bench.engine_gsp import KV_BUDGET, run_engine, run_hf_static, workload
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, OverlapMode
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.engine import Engine
 from workers.models.loader import load_model
@@ -67,8 +69,10 @@ def busy_seconds(prof: torch.profiler.profile) -> float:
     return total * 1e-6
 
 
-# (name, CUDA graphs, step token budget; None: the engine's default on the device, STEP_TOKENS)
-ENGINE_MODES = [("eager", False, None), ("graphs, 1024-token steps", True, 1024), ("graphs", True, None)]
+# (name, CUDA graphs, step token budget (None: the engine's default on the device, STEP_TOKENS), overlapped steps)
+ENGINE_MODES: list[tuple[str, bool, int | None, OverlapMode]] = [("eager", False, None, "off"), ("graphs, 1024-token steps", True, 1024, "off"),
+                ("graphs", True, None, "off"), ("graphs + overlap", True, None, "on")]
+STEP_MODES: list[tuple[str, bool, OverlapMode]] = [("eager", False, "off"), ("graphs", True, "off"), ("graphs + overlap", True, "on")]
 
 
 def workloads(folder: Path, dtype: torch.dtype, device: str) -> None:
@@ -80,8 +84,9 @@ def workloads(folder: Path, dtype: torch.dtype, device: str) -> None:
         print(f"\n{'shared-prefix' if shared else 'no-sharing'} workload (4 x 8, 350 + 30 tokens, 32 out)")
         print(f"{'mode':34} {'out tok/s':>9} {'tot tok/s':>9} {'TTFT p50':>8} {'TTFT p99':>8}  (seconds)")
         rates = {}
-        for mode, graphs, step_tokens in ENGINE_MODES * 2:  # each twice, interleaved: the first of each warms up
-            config = EngineConfig(max_batch_tokens=step_tokens, kv_budget_bytes=KV_BUDGET, cuda_graphs=graphs)
+        for mode, graphs, step_tokens, overlap in ENGINE_MODES * 2:  # each twice, interleaved: the first warms up
+            config = EngineConfig(max_batch_tokens=step_tokens, kv_budget_bytes=KV_BUDGET, cuda_graphs=graphs,
+                                  overlap=overlap)
             result = run_engine(loaded, prompts, 32, f"tollway engine {mode}", config)
             rates[mode] = result.output_tokens / result.seconds
             print(result.row(), flush=True)
@@ -98,9 +103,9 @@ def decode_step(folder: Path, dtype: torch.dtype, device: str, host_profile: int
                 context: int = 380, steps: int = 20) -> None:
     loaded = load_model(folder, dtype, device)
     print(f"\ndecode step at batch {batch}, ~{context}-token contexts ({steps} steps)")
-    for graphs in (False, True):
+    for name, graphs, overlap in STEP_MODES:
         engine = Engine(loaded, EngineConfig(max_batch_tokens=batch * (context + 1), kv_budget_bytes=KV_BUDGET,
-                                             cuda_graphs=graphs))
+                                             cuda_graphs=graphs, overlap=overlap))
         params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(workload(False, batch, 1, context, 0, seed=11)):
             engine.add_request(f"d{i}", prompt, params)
@@ -125,19 +130,19 @@ def decode_step(folder: Path, dtype: torch.dtype, device: str, host_profile: int
             profiled_wall = time.perf_counter() - start
         busy = busy_seconds(prof)
         assert engine.num_running == batch, "every sequence must decode in each measured step"
-        if graphs and host_profile:
+        if graphs and host_profile:  # with overlap too: the host's time per step, now beside the GPU's
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(steps):
                 engine.step()
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(host_profile)
-        name = "graphs" if graphs else "eager"
-        print(f"  {name:6}: step {statistics.median(walls) * 1e3:6.2f} ms (median), under the profiler "
+        print(f"  {name:16}: step {statistics.median(walls) * 1e3:6.2f} ms (median), under the profiler "
               f"{profiled_wall / steps * 1e3:6.2f} ms with the GPU busy {busy / steps * 1e3:5.2f} ms "
               f"= {busy / profiled_wall:5.1%} of the wall", flush=True)
         captured = engine.runner.graphs
-        if graphs and isinstance(captured, DecodeGraphs) and captured.graphs and torch.cuda.is_available():
+        if overlap == "off" and graphs and isinstance(captured, DecodeGraphs) and captured.graphs \
+                and torch.cuda.is_available():
             graph = next(iter(captured.graphs.values())).graph
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()

@@ -13,6 +13,7 @@ from workers.engine.admission import Policy
 from workers.engine.drafter import SpeculativeMode
 
 CompileMode = Literal["off", "decode"]
+OverlapMode = Literal["auto", "on", "off"]  # overlapped steps (workers/engine/overlap.py)
 # One step's token budget (prefill chunks + decodes) when the config leaves it open. A CPU step's time
 # grows with its tokens, so a small budget keeps decodes flowing beside long prompts; a GPU step of
 # 8,192 tokens costs little more than one of 1,024 (launches and weights dominate), and fewer eager
@@ -39,6 +40,8 @@ class EngineConfig:
     attention: AttentionChoice = "auto"  # the attention backend (kernels/dispatch.py); auto: by device
     compile: CompileMode = "off"  # decode: the CPU decode step torch.compiled per batch bucket (compiled_decode.py)
     cuda_graphs: bool = True  # on CUDA, decode steps replayed as CUDA graphs by batch bucket (cuda_graphs.py)
+    # the host schedules step N+1 while the device runs step N (overlap.py); auto: on CUDA, on: also on a CPU
+    overlap: OverlapMode = "auto"
     scheduling: Policy = "fair"  # admission and preemption order (workers/engine/admission.py)
     speculative: SpeculativeMode = "off"  # speculative decoding's drafter (workers/engine/drafter.py)
     speculative_tokens: int = 4  # draft tokens proposed per sequence and step (k)

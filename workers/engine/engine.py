@@ -20,7 +20,7 @@ import torch
 from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
-from workers.engine import grammar, speculative
+from workers.engine import grammar, overlap, speculative
 from workers.engine.batch import StepUpdate
 from workers.engine.config import EngineConfig, step_token_budget
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
@@ -66,6 +66,11 @@ class Engine:
         self._texts: dict[tuple[str, int], OutputText] = {}
         # Spans of traced requests' phases; None when tracing is off (then the step loop does no tracing work).
         self._phases = PhaseSpans(tracer) if tracer is not None else None
+        # Overlapped steps (workers/engine/overlap.py): the step whose tokens the host has not read yet, and
+        # deltas read outside a step (an abort reads the step in flight) that the next step returns.
+        self.overlap = overlap.enabled(config.overlap, loaded.model.device.type)
+        self.in_flight: overlap.InFlight | None = None
+        self._carried: list[Delta] = []
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -109,6 +114,8 @@ class Engine:
 
     def abort(self, request_id: str) -> Delta | None:
         """Abort every open choice; returns the request's last delta (with usage), or None if gone."""
+        if self.in_flight is not None:  # read it first: no placeholder reaches a closing choice
+            self._carried += overlap.settle(self, dropping=request_id)
         request = self._requests.get(request_id)
         if request is None:
             return None
@@ -119,10 +126,14 @@ class Engine:
         return last
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self._carried)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
+        """One step: overlapped with the next (workers/engine/overlap.py) where on, else `plain_step`."""
+        return overlap.step(self) if self.overlap else self.plain_step()
+
+    def plain_step(self) -> list[Delta]:
         """One step (`_step`), timed for the speculation governor when there is one."""
         governor = self.spec_governor
         if governor is None:
@@ -233,6 +244,22 @@ class Engine:
             self.scheduler.finish(seq, FinishReason.LENGTH)
             return self._final_delta(seq, delta)
         return delta
+
+    # -- what overlapped steps (overlap.py) call ----------------------------------------------------
+    @property
+    def phases(self) -> PhaseSpans | None:
+        return self._phases
+
+    def take_carried(self) -> list[Delta]:
+        carried, self._carried = self._carried, []
+        return carried
+
+    def emit(self, seq: Sequence, token: int, delta: Delta, now: float) -> Delta:
+        return self._emit(seq, token, delta, now)
+
+    def close_choice(self, seq: Sequence) -> Delta:
+        """The closing delta of a choice the scheduler finished."""
+        return self._final_delta(seq, Delta(seq.request_id, index=seq.index))
 
     def _prefilled(self, seq: Sequence) -> Delta:
         """A max_tokens 0 request whose prompt is now computed: it ends ("length") with no token."""

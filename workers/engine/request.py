@@ -44,6 +44,11 @@ class FinishReason(enum.Enum):
 
 _arrivals = itertools.count()
 
+PENDING_TOKEN = -1
+"""Stands in `output_ids` for a token sampled on the device whose value the host has not read yet (overlapped
+steps, workers/engine/overlap.py): at most one per sequence, always its last; the model runner takes its value
+from the device, and the engine writes the value in before anything reads the ids as text or commits them."""
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -92,6 +97,9 @@ class Sequence:
     spec_backoff: int = 0  # the last cool-down (doubles while acceptance stays low)
     spec_drafted: int = 0  # draft tokens this choice verified (kept across preemptions; its request's span)
     spec_accepted: int = 0  # of them, accepted
+    # overlapped steps (workers/engine/overlap.py): the pending token (PENDING_TOKEN) is this choice's last
+    # (max_tokens or the context reached), so it finishes once the token is read; it runs no step before that
+    last_token_pending: bool = False
 
     @property
     def prompt_len(self) -> int:

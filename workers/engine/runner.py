@@ -12,6 +12,7 @@ tokens then costs a decode step over k + 1 rows, not an eager extend step."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,9 +25,21 @@ from kernels.quantized import cpu as quantized_cpu
 from workers.engine import decode_rows, prompt_logprobs
 from workers.engine.batch import ScheduledBatch
 from workers.engine.prompt_logprobs import PromptLogprobs
+from workers.engine.request import PENDING_TOKEN, Sequence
 from workers.engine.table_rows import BlockTableRows
 from workers.models import fused_decode
 from workers.models.llama import LlamaForCausalLM
+
+
+class PendingTokens(Protocol):
+    """Tokens an overlapped step sampled that the host has not read (workers/engine/overlap.py): each
+    sequence's row in `tokens` (int64, on the model's device); its ids end with PENDING_TOKEN meanwhile."""
+
+    @property
+    def rows(self) -> Mapping[Sequence, int]: ...
+
+    @property
+    def tokens(self) -> torch.Tensor: ...
 
 
 class BucketedDecode(Protocol):
@@ -52,19 +65,25 @@ class ModelRunner:
         self.graphs = graphs  # decode steps by batch bucket (CUDA graphs or compiled); None: every step eager
         self.fused_verifications = 0  # steps that verified drafts as fused decode rows (tests, benches)
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepOutput:
         """Compute the batch's new tokens; returns the fp32 logits [len(batch.sampling), V] of the
         sequences that reach their newest token (they sample next), in batch order, and the prompt
         logprobs of the prompt positions computed in this step by sequences that ask for them. A
         sequence with a speculative draft of k tokens has k + 1 consecutive rows (its newest token's,
-        then each draft token's)."""
+        then each draft token's). A newest token still PENDING_TOKEN is read from `pending` on the device."""
         self.kv.copy_blocks(batch.block_copies)
         tokens: list[int] = []
         context_lens, tables, sampling_rows = [], [], []
+        fill_at, fill_from = [], []  # flat indices of pending tokens, and their rows in pending.tokens
         for row, (seq, n, samples, draft) in enumerate(zip(batch.seqs, batch.num_new, batch.samples, batch.drafts,
                                                            strict=True)):
             end = seq.computed_len + n
             tokens.extend((seq.all_ids + draft if draft else seq.all_ids)[seq.computed_len : end])
+            if end == seq.total_len and seq.output_ids and seq.output_ids[-1] == PENDING_TOKEN:
+                if pending is None:
+                    raise RuntimeError("a pending token reached a step that has no pending tokens")
+                fill_at.append(len(tokens) - 1)
+                fill_from.append(pending.rows[seq])
             context_lens.append(end)
             assert seq.block_table is not None
             tables.append(seq.block_table)
@@ -84,6 +103,10 @@ class ModelRunner:
             last_token = (meta.query_start[1:] - 1).long()
             wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        if fill_at:  # on the device, in stream order after the step that sampled them: no wait here
+            assert pending is not None
+            at, rows = (torch.tensor(i).to(device, non_blocking=True) for i in (fill_at, fill_from))
+            input_ids[at] = pending.tokens[rows]
         spans = prompt_logprobs.prompt_spans(batch.seqs, batch.num_new)
         if spans:  # the hidden states of every prompt position asked for, reduced slice by slice
             hidden = self.model.hidden_states(input_ids, self.kv, meta)

@@ -63,9 +63,9 @@ def truncate(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """Mask (-inf) tokens outside each row's top-k, top-p nucleus and min-p floor, in that order."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=device)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+    top_k = torch.tensor([s.params.top_k or vocab for s in seqs]).to(device, non_blocking=True)
+    top_p = torch.tensor([s.params.top_p for s in seqs]).to(device, non_blocking=True)
+    min_p = torch.tensor([s.params.min_p for s in seqs]).to(device, non_blocking=True)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
@@ -102,23 +102,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence],
     the reported log-probabilities stay the model's."""
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-    changes = constrain is not None or any(s.params.penalized for s in seqs)
-    work = logits.clone() if changes else logits  # read-only below unless a grammar or a penalty writes it
-    if constrain is not None:
-        constrain(work)
-    apply_penalties(work, seqs)
-    chosen = greedy_choice(work)
-    sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, device=logits.device)
-        sub_seqs = [seqs[i] for i in sampled_rows]
-        temperature = torch.tensor([s.params.temperature for s in sub_seqs], device=logits.device)[:, None]
-        sub = work[index] / temperature
-        if any(s.params.truncates for s in sub_seqs):
-            sub = truncate(sub, sub_seqs)
-        probs = sub.softmax(dim=-1)
-        noise = exponential_noise(sub_seqs, logits.shape[1], logits.device)
-        chosen[index] = (probs / noise).argmax(dim=-1)
+    chosen = draw(logits, seqs, constrain)
     result = SampleResult(chosen.tolist())
     if raw_logprobs is not None:
         result.logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
@@ -130,3 +114,28 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence],
             for r, s in enumerate(seqs)
         ]
     return result
+
+
+def draw(logits: torch.Tensor, seqs: Seq[Sequence],
+         constrain: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The chosen token of each row, as an int64 tensor on the logits' device; nothing waits for the
+    device (the index and temperature tensors go over without a sync), so an engine can schedule its
+    next step while this one's tokens are still on their way (workers/engine/overlap.py)."""
+    changes = constrain is not None or any(s.params.penalized for s in seqs)
+    work = logits.clone() if changes else logits  # read-only below unless a grammar or a penalty writes it
+    if constrain is not None:
+        constrain(work)
+    apply_penalties(work, seqs)
+    chosen = greedy_choice(work)
+    sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows).to(logits.device, non_blocking=True)
+        sub_seqs = [seqs[i] for i in sampled_rows]
+        temperature = torch.tensor([s.params.temperature for s in sub_seqs]).to(logits.device, non_blocking=True)
+        sub = work[index] / temperature[:, None]
+        if any(s.params.truncates for s in sub_seqs):
+            sub = truncate(sub, sub_seqs)
+        probs = sub.softmax(dim=-1)
+        noise = exponential_noise(sub_seqs, logits.shape[1], logits.device)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+    return chosen

@@ -102,7 +102,8 @@ class Scheduler:
             s.priority is Priority.INTERACTIVE for s in self.waiting)
         scheduled: set[Sequence] = set()  # in this step's batch: never preempted for another's blocks
         for seq in running_order(self.running, self.policy, self.vtc):
-            if seq.status is not Status.RUNNING or budget == 0 or self._sits_out(seq, now, interactive_present):
+            if (seq.status is not Status.RUNNING or budget == 0 or seq.last_token_pending
+                    or self._sits_out(seq, now, interactive_present)):
                 continue
             draft, seq.draft_ids = seq.draft_ids, []  # the engine's proposal, for this step only
             if seq.block_table is not None:  # give back the blocks no query of this step can see
@@ -133,7 +134,7 @@ class Scheduler:
         for seq in iter(order.next, None):
             if budget == 0 or len(self.running) >= self.max_running:
                 break
-            if self._sits_out(seq, now, interactive_present) or order.at_cap(seq):
+            if seq.last_token_pending or self._sits_out(seq, now, interactive_present) or order.at_cap(seq):
                 continue
             next_block = (seq.namespace, tuple(seq.all_ids[: seq.match_hint + bs]))
             if next_block in in_flight:
@@ -226,6 +227,8 @@ class Scheduler:
         sampling = batch.sampling
         forks = []
         for row, parent in enumerate(sampling):
+            if parent.finished:  # an overlapped step's choice that ended on the token before (overlap.py)
+                continue
             self.vtc.charge(parent.namespace, output_tokens=1 + parent.pending_forks)  # a token per choice
             if parent.pending_forks == 0 or parent.block_table is None:
                 continue

@@ -107,10 +107,11 @@ REGIMES = {"batched": EngineConfig(num_blocks=200), "chunked": EngineConfig(num_
            "preempting": EngineConfig(num_blocks=12, block_size=8)}
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])  # overlapped steps (workers/engine/overlap.py): on by default here
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, regime: str, graphs: bool) -> None:
-    config = dataclasses.replace(REGIMES[regime], cuda_graphs=graphs)
+def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, regime: str, graphs: bool, overlap: str) -> None:
+    config = dataclasses.replace(REGIMES[regime], cuda_graphs=graphs, overlap=overlap)
     ours, theirs = gpu_pair
     assert ours.model.device.type == "cuda" and select_backend(ours.model.device) == "triton"
     gen = torch.Generator().manual_seed(0)
@@ -129,7 +130,7 @@ def test_engine_on_gpu_matches_transformers_greedy(gpu_pair, regime: str, graphs
         assert all(s.finish_reason is FinishReason.LENGTH for s in done)
         engine.check_integrity()
         assert engine.all_blocks_free_or_evictable()
-    assert engine.runner.kv.keys[0].device.type == "cuda"
+    assert engine.runner.kv.keys[0].device.type == "cuda" and engine.overlap is (overlap == "on")
     captured = engine.runner.graphs
     if graphs:  # the decode steps were replayed graphs, not eager steps
         assert isinstance(captured, DecodeGraphs) and captured.graphs

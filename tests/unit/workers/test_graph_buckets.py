@@ -63,8 +63,8 @@ def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
 
 
 def test_graph_and_step_budget_settings_reach_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """TOLLWAY_CUDA_GRAPHS (on by default) and TOLLWAY_MAX_BATCH_TOKENS (unset: by device) reach the engine;
-    on a CPU the graphs setting changes nothing and the step budget is the CPU's."""
+    """TOLLWAY_CUDA_GRAPHS (on by default), TOLLWAY_MAX_BATCH_TOKENS (unset: by device) and TOLLWAY_OVERLAP
+    (auto: on CUDA) reach the engine; on a CPU the graphs setting changes nothing and the step budget is the CPU's."""
     from pydantic import ValidationError
 
     from ops.offline import engine_config
@@ -77,11 +77,18 @@ def test_graph_and_step_budget_settings_reach_the_engine(monkeypatch: pytest.Mon
     assert step_token_budget(300, "cuda") == 300
     engine = Engine(load_model(write_tiny_model_folder(tmp_path / "m", "llama"), torch.float32), config)
     assert engine.scheduler.max_batch_tokens == 1024 and engine.runner.graphs is None
+    assert config.overlap == "auto" and not engine.overlap  # overlapped steps: on CUDA only by default
     monkeypatch.setenv("TOLLWAY_CUDA_GRAPHS", "false")
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "2048")
+    monkeypatch.setenv("TOLLWAY_OVERLAP", "on")
     config = engine_config(WorkerSettings())
     assert not config.cuda_graphs and config.max_batch_tokens == 2048
-    assert Engine(load_model(tmp_path / "m", torch.float32), config).scheduler.max_batch_tokens == 2048
+    engine = Engine(load_model(tmp_path / "m", torch.float32), config)
+    assert engine.scheduler.max_batch_tokens == 2048 and engine.overlap
+    monkeypatch.setenv("TOLLWAY_OVERLAP", "sometimes")
+    with pytest.raises(ValidationError):
+        WorkerSettings()
+    monkeypatch.setenv("TOLLWAY_OVERLAP", "off")
     monkeypatch.setenv("TOLLWAY_MAX_BATCH_TOKENS", "0")
     with pytest.raises(ValidationError):
         WorkerSettings()

@@ -1,0 +1,175 @@
+"""Overlapped steps (workers/engine/overlap.py) on the tiny model, on the CPU (`overlap="on"`): the
+same tokens, text, finish reasons and usage as plain steps in every regime, steps that really run
+ahead (a placeholder in flight, the next step reading it on the device), plain steps while a request
+needs the host between steps, and no block or placeholder left behind by stops, aborts or limits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.deltas import Delta
+from workers.engine.engine import Engine
+from workers.engine.overlap import enabled
+from workers.engine.request import PENDING_TOKEN, FinishReason
+from workers.engine.runner import ModelRunner
+from workers.wire.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 128, (40,), generator=gen).tolist()
+    return [system + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 1, 30)]
+
+
+def assert_clean(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.all_blocks_free_or_evictable()
+    assert not engine.sequences and not engine.has_work() and engine.in_flight is None
+
+
+def by_request(deltas: list[Delta]) -> dict[str, tuple[list[int], str, str | None, dict | None]]:
+    """Each request's joined tokens and text, its finish reason and usage."""
+    out: dict[str, tuple[list[int], str, str | None, dict | None]] = {}
+    for d in deltas:
+        tokens, text, reason, usage = out.get(d.request_id, ([], "", None, None))
+        out[d.request_id] = (tokens + d.token_ids, text + d.text, d.finish_reason or reason, d.usage or usage)
+    return out
+
+
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[Delta]:
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    return deltas
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(num_blocks=200),  # everything batched together
+        EngineConfig(num_blocks=200, max_batch_tokens=16),  # chunked prefill beside decodes
+        EngineConfig(num_blocks=12, block_size=8),  # preemption: 12 blocks cannot hold all four
+    ],
+    ids=["batched", "chunked", "preempting"],
+)
+def test_overlapped_steps_match_plain_steps(tiny, prompts, config: EngineConfig) -> None:
+    plain = Engine(tiny, replace(config, overlap="off"))
+    ahead = Engine(tiny, replace(config, overlap="on"))
+    assert not plain.overlap and ahead.overlap
+    for _ in range(2):  # the second round hits the prefix cache
+        expected = [s.output_ids for s in plain.generate_batch(prompts, GREEDY)]
+        seqs = ahead.generate_batch(prompts, GREEDY)
+        assert [s.output_ids for s in seqs] == expected
+        assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+        assert_clean(ahead)
+    if config.num_blocks == 12:
+        assert ahead.scheduler.preemptions > 0
+
+
+def test_stops_limits_text_and_usage_match_plain_steps(tiny, prompts) -> None:
+    reference = Engine(tiny, EngineConfig(num_blocks=200)).generate_batch([prompts[0]], GREEDY)[0].output_ids
+    requests = [
+        (prompts[0], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(reference[4],), ignore_eos=True)),
+        (prompts[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+        (prompts[2], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)),
+        (prompts[3], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)),
+        (prompts[1][:20], SamplingParams(max_tokens=8, temperature=1.2, seed=3)),  # EOS may stop it
+        (prompts[2], GREEDY),
+    ]
+    config = EngineConfig(num_blocks=200, max_batch_tokens=24)
+    plain = by_request(run(Engine(tiny, replace(config, overlap="off")), requests))
+    ahead_engine = Engine(tiny, replace(config, overlap="on"))
+    ahead = by_request(run(ahead_engine, requests))
+    assert ahead == plain
+    assert plain["r0"][2] == "stop" and plain["r0"][0] == reference[: reference.index(reference[4])]
+    assert plain["r1"][2] == "length" and len(plain["r1"][0]) == 3
+    assert_clean(ahead_engine)
+
+
+def test_the_context_limit_ends_choices_as_plain_steps_do(tiny, prompts) -> None:
+    config = EngineConfig(num_blocks=200, max_context=50)
+    requests = [(p, GREEDY) for p in prompts[:3]]  # 45, 57 (too long: refused), 41 tokens
+    requests = [r for r in requests if len(r[0]) < 50]
+    plain = by_request(run(Engine(tiny, replace(config, overlap="off")), requests))
+    ahead_engine = Engine(tiny, replace(config, overlap="on"))
+    assert by_request(run(ahead_engine, requests)) == plain
+    assert {reason for _, _, reason, _ in plain.values()} == {"length"}
+    assert all(len(prompt) + len(plain[f"r{i}"][0]) == 50 for i, (prompt, _) in enumerate(requests))
+    assert_clean(ahead_engine)
+
+
+def test_steps_run_ahead_reading_the_pending_tokens_on_the_device(tiny, prompts, monkeypatch) -> None:
+    pending_reads = []
+    run_step = ModelRunner.run
+
+    def spy(self, batch, pending=None):
+        if pending is not None:
+            pending_reads.append(sum(1 for s in batch.seqs if s.output_ids and s.output_ids[-1] == PENDING_TOKEN))
+        return run_step(self, batch, pending)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    engine = Engine(tiny, EngineConfig(num_blocks=200, overlap="on"))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    first = engine.step()  # the first prompt runs (the others wait to hit its prefix); its token stays on the device
+    assert first == [] and engine.in_flight is not None
+    assert [s.output_ids for s in engine.scheduler.running] == [[PENDING_TOKEN]]
+    second = engine.step()  # the next step runs on it (and the other prompts), then the first token is read
+    assert [(d.request_id, len(d.token_ids)) for d in second] == [("r0", 1)]
+    assert PENDING_TOKEN not in second[0].token_ids
+    assert pending_reads == [1]
+    assert all(s.output_ids[-1] == PENDING_TOKEN and PENDING_TOKEN not in s.output_ids[:-1]
+               for s in engine.scheduler.running)
+    while engine.has_work():
+        engine.step()
+    assert len(pending_reads) == GREEDY.max_tokens  # every step after the first read the step before's tokens
+    assert max(pending_reads) == 4
+    assert_clean(engine)
+
+
+def test_a_request_that_needs_the_host_steps_plainly_beside_the_others(tiny, prompts) -> None:
+    requests = [(prompts[0], GREEDY),
+                (prompts[1], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)),
+                (prompts[2], GREEDY)]
+    plain = run(Engine(tiny, EngineConfig(num_blocks=200, overlap="off")), requests)
+    engine = Engine(tiny, EngineConfig(num_blocks=200, overlap="on"))
+    ahead = run(engine, requests)
+    assert by_request(ahead) == by_request(plain)
+    logprobs = [d.logprobs for d in ahead if d.request_id == "r1" and d.token_ids]
+    assert logprobs == [d.logprobs for d in plain if d.request_id == "r1" and d.token_ids]
+    assert len(logprobs) == 6 and all(lp is not None for lp in logprobs)
+    assert_clean(engine)
+
+
+def test_an_abort_reads_the_step_in_flight_first(tiny, prompts) -> None:
+    engine = Engine(tiny, EngineConfig(num_blocks=200, max_batch_tokens=16, overlap="on"))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    deltas = []
+    while not any(s.output_len > 2 for s in engine.scheduler.running):
+        deltas += engine.step()
+    seq = engine.sequences["r0"]
+    final = engine.abort("r0")
+    assert final is not None and final.finish_reason == "abort" and final.usage is not None
+    assert PENDING_TOKEN not in seq.output_ids
+    assert final.usage["completion_tokens"] == seq.output_len > 0
+    while engine.has_work():
+        deltas += engine.step()
+    streamed = by_request(deltas)
+    assert streamed["r0"][0] == seq.output_ids  # every token it was billed for was streamed (carried over)
+    assert {r for r, (_, _, reason, _) in streamed.items() if reason == "length"} == {"r1", "r2", "r3"}
+    assert_clean(engine)
+
+
+def test_overlap_is_on_by_default_only_on_cuda() -> None:
+    assert enabled("auto", "cuda") and not enabled("auto", "cpu")
+    assert enabled("on", "cpu") and not enabled("off", "cuda")
