@@ -78,8 +78,10 @@ class KVStorage:
         several groups a page is copied whole, whichever group it serves)."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
-        dst = torch.tensor([d for _, d in copies], device=self.keys[0].device)
+        # pinned + non_blocking on CUDA: no wait for the device's queued steps (kernels/metadata.py `to_device`)
+        pinned = self.keys[0].device.type == "cuda"
+        src, dst = (torch.tensor(ids, pin_memory=pinned).to(self.keys[0].device, non_blocking=True)
+                    for ids in ([s for s, _ in copies], [d for _, d in copies]))
         for tensor in (*self._key_tensors, *self._value_tensors):
             tensor[dst] = tensor[src]
 

@@ -22,10 +22,21 @@ Backend = Literal["reference", "cpu", "native", "triton"]
 BACKENDS: tuple[Backend, ...] = ("reference", "cpu", "native", "triton")
 
 
-def table_row(block_ids: Sequence[int]) -> torch.Tensor:
-    """A sequence's block ids as an int32 row of a block-table tensor. A slot a sliding window gave back
-    (a negative id, cache.block_table.NO_BLOCK) reads block 0, real memory that the kernels mask."""
-    return torch.as_tensor(list(block_ids), dtype=torch.int32).clamp_(min=0)
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device's queued work: a plain
+    `torch.tensor(..., device=cuda)` copies from pageable memory and synchronizes the stream first, so an
+    overlapped step (workers/engine/overlap.py) would wait for the step before it to finish before it
+    could launch. On CUDA the list is staged in pinned memory (torch's caching host allocator keeps the
+    buffer until the copy is done) and copied asynchronously; elsewhere it is the tensor itself."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=device)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def table_row(block_ids: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """A sequence's block ids as an int32 row of a block-table tensor on `device`. A slot a sliding window
+    gave back (a negative id, cache.block_table.NO_BLOCK) reads block 0, real memory that the kernels mask."""
+    return to_device([max(b, 0) for b in block_ids], torch.int32, device)
 
 
 @dataclass
@@ -59,7 +70,8 @@ class PagedAttentionMetadata:
         """[N] int64: the sequence each new token belongs to."""
         seq_of_token = torch.arange(self.num_seqs, device=self.block_tables.device)
         if self.num_decodes != self.num_seqs:  # (all decodes: token i is sequence i's, no host sync)
-            seq_of_token = torch.repeat_interleave(seq_of_token, self.query_start[1:] - self.query_start[:-1])
+            seq_of_token = torch.repeat_interleave(seq_of_token, self.query_start[1:] - self.query_start[:-1],
+                                                   output_size=sum(self.query_lens_list))
         return seq_of_token
 
     def with_tables(self, block_tables: torch.Tensor) -> PagedAttentionMetadata:
@@ -137,15 +149,16 @@ class PagedAttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        q_lens = torch.tensor(list(query_lens), dtype=torch.int64, device=device)
-        ctx_lens = torch.tensor(list(context_lens), dtype=torch.int64, device=device)
+        q_lens = to_device(query_lens, torch.int64, device)
+        ctx_lens = to_device(context_lens, torch.int64, device)
         query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64, device=device)
         torch.cumsum(q_lens, 0, out=query_start[1:])
         if num_decodes == len(query_lens):  # all decodes: token i is sequence i's newest
             seq_of_token = torch.arange(len(query_lens), device=device)
             positions = ctx_lens - 1
         else:
-            seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q_lens)
+            seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q_lens,
+                                                   output_size=sum(query_lens))  # known here: no device sync
             first = (ctx_lens - q_lens - query_start[:-1])[seq_of_token]
             positions = torch.arange(len(seq_of_token), device=device) + first
         token_blocks = block_tables[seq_of_token, positions // block_size].long()

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from cache.kv_storage import KVStorage
-from kernels.metadata import Backend, PagedAttentionMetadata
+from kernels.metadata import Backend, PagedAttentionMetadata, to_device
 from kernels.quantized import cpu as quantized_cpu
 from workers.engine import decode_rows, prompt_logprobs
 from workers.engine.batch import ScheduledBatch
@@ -101,11 +101,11 @@ class ModelRunner:
             wanted = _draft_rows(batch, sampling_rows, device)
         else:
             last_token = (meta.query_start[1:] - 1).long()
-            wanted = last_token[torch.tensor(sampling_rows, dtype=torch.long, device=device)]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
+            wanted = last_token[to_device(sampling_rows, torch.long, device)]
+        input_ids = to_device(tokens, torch.long, device)
         if fill_at:  # on the device, in stream order after the step that sampled them: no wait here
             assert pending is not None
-            at, rows = (torch.tensor(i).to(device, non_blocking=True) for i in (fill_at, fill_from))
+            at, rows = (to_device(i, torch.long, device) for i in (fill_at, fill_from))
             input_ids[at] = pending.tokens[rows]
         spans = prompt_logprobs.prompt_spans(batch.seqs, batch.num_new)
         if spans:  # the hidden states of every prompt position asked for, reduced slice by slice

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import native
+from kernels.metadata import to_device
 from workers.engine.request import Sequence
 
 
@@ -63,9 +64,9 @@ def truncate(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """Mask (-inf) tokens outside each row's top-k, top-p nucleus and min-p floor, in that order."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k or vocab for s in seqs]).to(device, non_blocking=True)
-    top_p = torch.tensor([s.params.top_p for s in seqs]).to(device, non_blocking=True)
-    min_p = torch.tensor([s.params.min_p for s in seqs]).to(device, non_blocking=True)
+    top_k = to_device([s.params.top_k or vocab for s in seqs], torch.long, device)
+    top_p = to_device([s.params.top_p for s in seqs], torch.float32, device)
+    min_p = to_device([s.params.min_p for s in seqs], torch.float32, device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
@@ -129,9 +130,9 @@ def draw(logits: torch.Tensor, seqs: Seq[Sequence],
     chosen = greedy_choice(work)
     sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled_rows:
-        index = torch.tensor(sampled_rows).to(logits.device, non_blocking=True)
+        index = to_device(sampled_rows, torch.long, logits.device)
         sub_seqs = [seqs[i] for i in sampled_rows]
-        temperature = torch.tensor([s.params.temperature for s in sub_seqs]).to(logits.device, non_blocking=True)
+        temperature = to_device([s.params.temperature for s in sub_seqs], torch.float32, logits.device)
         sub = work[index] / temperature[:, None]
         if any(s.params.truncates for s in sub_seqs):
             sub = truncate(sub, sub_seqs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cache.block_table import BlockTable
-from kernels.metadata import table_row
+from kernels.metadata import table_row, to_device
 
 
 @dataclass
@@ -40,7 +40,7 @@ class BlockTableRows:
         """The tables' rows, in order, as a fresh int32 tensor [len(tables), max blocks among them]."""
         indices = [self._sync(table) for table in tables]
         width = max(len(t.block_ids) for t in tables)
-        index = torch.tensor(indices, dtype=torch.int64, device=self.rows.device)
+        index = to_device(indices, torch.int64, self.rows.device)
         return self.rows[:, :width].index_select(0, index)
 
     def _sync(self, table: BlockTable) -> int:
@@ -53,7 +53,7 @@ class BlockTableRows:
             if len(blocks) > self.rows.shape[1]:
                 self._grow(rows=self.rows.shape[0], width=max(len(blocks), 2 * self.rows.shape[1]))
             row = self.rows[mirror.row]
-            row[: len(blocks)] = table_row(blocks)  # NO_BLOCK slots read block 0
+            row[: len(blocks)] = table_row(blocks, row.device)  # NO_BLOCK slots read block 0
             row[len(blocks) : mirror.num_blocks] = 0
             mirror.version, mirror.num_blocks = table.version, len(blocks)
             self.num_rewrites += 1
