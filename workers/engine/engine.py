@@ -8,6 +8,8 @@ Its settings live in workers/engine/config.py, what it reports (`Delta`) in work
 and the speculative decoding steps it calls (drafting, verifying) in workers/engine/speculative.py;
 its KV cache and model runner are built by workers/engine/runner_setup.py.
 Single-threaded: `AsyncEngine` (workers/engine/async_engine.py) drives it from one thread.
+Where on (`EngineConfig.overlap`; CUDA by default) a step is overlapped with the next
+(workers/engine/overlap.py, which owns `in_flight`): its tokens are read and reported one step later.
 """
 
 from __future__ import annotations

@@ -64,10 +64,17 @@ def pad_decode_batch(
         tables[batch:, 0] = dummy_block
         return tables
 
-    padded = PagedAttentionMetadata.from_tables(
-        [1] * bucket, [*meta.context_lens_list, *([1] * pad)], padded_tables(meta.block_tables), meta.block_size,
-        backend)
+    def extended(values: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([values, values.new_full((pad,), fill)])
+
+    # The step's own tensors extended on the device (no second build from host lists, no host->device copy):
+    # a dummy row is token 0 at position 0 with one context token, in the dummy block's first slot.
+    padded = PagedAttentionMetadata(
+        query_start=torch.arange(bucket + 1, dtype=torch.int32, device=device),
+        context_lens=extended(meta.context_lens, 1), block_tables=padded_tables(meta.block_tables),
+        slot_mapping=extended(meta.slot_mapping, dummy_block * meta.block_size), positions=extended(meta.positions, 0),
+        block_size=meta.block_size, num_decodes=bucket, query_lens_list=[1] * bucket,
+        context_lens_list=[*meta.context_lens_list, *([1] * pad)], backend=backend)
     # Layer groups (cache/kv_layout.py): each group's tables padded alike; the dummy block is a page of any group.
     padded.other_groups = [padded.with_tables(padded_tables(g.block_tables)) for g in meta.other_groups]
-    ids = torch.cat([input_ids, torch.zeros(pad, dtype=input_ids.dtype, device=device)])
-    return PaddedDecode(ids, padded, batch)
+    return PaddedDecode(extended(input_ids, 0), padded, batch)

@@ -53,6 +53,14 @@ def test_padding_rows_leave_real_rows_alone(tmp_path: Path, backend) -> None:
         cache.copy_(saved)
     padded = pad_decode_batch(ids, meta, batch_bucket(3) or 0, dummy_block, backend)
     assert padded.input_ids.shape == (4,) and padded.num_real == 3
+    # extended on the device, it is the metadata a build from the padded lists gives
+    built = PagedAttentionMetadata.from_tables([1] * 4, [*meta.context_lens_list, 1], padded.meta.block_tables, 4,
+                                               backend)
+    for name in ("query_start", "context_lens", "slot_mapping", "positions"):
+        got_tensor, built_tensor = getattr(padded.meta, name), getattr(built, name)
+        assert got_tensor.dtype == built_tensor.dtype and torch.equal(got_tensor, built_tensor), name
+    assert (padded.meta.num_decodes, padded.meta.context_lens_list) == (built.num_decodes, built.context_lens_list)
+    assert padded.input_ids.tolist() == [7, 8, 9, 0]
     got = model(padded.input_ids, kv, padded.meta)[: padded.num_real]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for cache, eager in zip((*kv.keys, *kv.values), after_eager, strict=True):
