@@ -173,3 +173,24 @@ def test_an_abort_reads_the_step_in_flight_first(tiny, prompts) -> None:
 def test_overlap_is_on_by_default_only_on_cuda() -> None:
     assert enabled("auto", "cuda") and not enabled("auto", "cpu")
     assert enabled("on", "cpu") and not enabled("off", "cuda")
+
+
+def test_captured_steps_read_the_pending_tokens_too(tiny, prompts) -> None:
+    """Through DecodeGraphs (its CPU stand-in replays the captured call on the static buffers): the pending
+    tokens filled into the step's ids reach the graph's static input, and the tokens are the plain engine's.
+    On the native backend: the stand-in's replay sizes the torch backend's attention by the bucket's context."""
+    from kernels.cpu import native
+    from tests.required import unavailable
+    from workers.engine.cuda_graphs import DecodeGraphs
+
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [s.output_ids for s in Engine(tiny, EngineConfig(num_blocks=60)).generate_batch(prompts, params)]
+    engine = Engine(tiny, EngineConfig(num_blocks=60, overlap="on"))
+    kv = tiny.model.allocate_kv(61, engine.runner.kv.block_size)  # one more page than the pool hands out: padding's
+    graphs = DecodeGraphs(tiny.model, kv, 60, "native", buckets=(1, 2, 4))
+    engine.runner = ModelRunner(tiny.model, kv, "native", graphs)
+    assert [s.output_ids for s in engine.generate_batch(prompts, params)] == expected
+    assert (4, 256) in graphs.graphs and graphs.failed is None
+    assert_clean(engine)
