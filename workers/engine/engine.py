@@ -256,8 +256,8 @@ class Engine:
         carried, self._carried = self._carried, []
         return carried
 
-    def emit(self, seq: Sequence, token: int, delta: Delta, now: float) -> Delta:
-        return self._emit(seq, token, delta, now)
+    def advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
+        return self._advance(seq, row, result, now)
 
     def close_choice(self, seq: Sequence) -> Delta:
         """The closing delta of a choice the scheduler finished."""

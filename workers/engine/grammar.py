@@ -174,7 +174,8 @@ class GrammarMasks:
                 seqs[row].matcher.fill_next_token_bitmask(bitmask, row)
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, self._bitmask[: len(seqs)].to(logits.device),
+        # non_blocking: a pageable source is staged at once, so the host never waits for the device's queue here
+        xgr.apply_token_bitmask_inplace(logits, self._bitmask[: len(seqs)].to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=rows)
 
     def close(self) -> None:

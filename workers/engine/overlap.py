@@ -7,23 +7,24 @@ idles while the device runs. Here (SGLang's overlap scheduler is the idea) a ste
    placeholder (request.PENDING_TOKEN) as its newest token, so its lengths, blocks and positions
    are already right, only the token's value is unknown;
 2. runs the model with those newest tokens read on the device from the step before's samples
-   (runner.py `PendingTokens`), draws this step's tokens on the device (sampler.py `draw`) and
-   starts copying them to the host, then appends this step's placeholders;
+   (runner.py `PendingTokens`);
 3. only then reads the step before's tokens (already there, or nearly: the device ran that step
    while the host did 1 and 2) and emits them as a plain step does: stops, text, deltas; a choice
-   that stops there has run one row of this step for nothing, its result dropped;
+   that stops there has run one row of this step for nothing, its row dropped;
 4. updates the scheduler for this step (after 3: blocks committed to the prefix tree read real ids),
-   and only then appends this step's placeholders.
+   draws this step's tokens on the device (sampler.py `draw_sample`), starts their copy to the host
+   (pinned memory, one event) and appends this step's placeholders.
 
 A placeholder is the last of its sequence's ids and is written over before anything reads ids as
 text, commits them to the prefix tree or bills them. Its block slot is filled by the step that
 reads it on the device. A choice whose pending token is its last (max_tokens or the context
 reached) sits out until it is read (`Sequence.last_token_pending`): it always finishes there.
 
-Only sequences that need nothing from the host between steps run ahead (`runs_ahead`): no grammar,
-no logprobs, no penalties (they read the output ids), no choices to fork (n > 1), no prompt-only
-request, no speculative drafting. While any running or waiting request needs one, the engine reads
-the step in flight and steps plainly. An abort reads it too (`Engine.abort`).
+The step's draw comes after 3, so what it reads on the host is current: grammar masks from matchers
+that took the token before, penalties over the output so far; its logprobs travel to the host with
+its tokens. Not run ahead (the engine reads the step in flight and steps plainly while any running or
+waiting request is one): prompt logprobs, prompt-only requests, n > 1 before its choices fork, and
+speculative drafting. An abort reads the step in flight too (`Engine.abort`).
 
 On by default on CUDA (`EngineConfig.overlap`, TOLLWAY_OVERLAP); on a CPU the same cores run the
 host's work and the model, so nothing overlaps: `on` there is for tests (the tokens must equal the
@@ -38,10 +39,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.metadata import to_device
 from workers.engine.config import OverlapMode
-from workers.engine.deltas import Delta, attach_prompt_logprobs
+from workers.engine.deltas import Delta
 from workers.engine.request import PENDING_TOKEN, Sequence
-from workers.engine.sampler import draw
+from workers.engine.sampler import DeviceSample, draw_sample
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine
@@ -53,55 +55,58 @@ def enabled(mode: OverlapMode, device_type: str) -> bool:
 
 
 def runs_ahead(seq: Sequence) -> bool:
-    """Whether a sequence needs nothing from the host between two steps."""
+    """Whether a sequence can run ahead: not a prompt-only request, no prompt logprobs to compute, no
+    choices still to fork from it (n > 1: they draw from its row in the step that forks them)."""
     p = seq.params
-    return (seq.matcher is None and p.logprobs is None and p.prompt_logprobs is None and not p.penalized
-            and seq.pending_forks == 0 and p.max_tokens > 0)
+    return p.prompt_logprobs is None and seq.pending_forks == 0 and p.max_tokens > 0
 
 
-class HostTokens:
-    """A device tensor of token ids on its way to the host: on CUDA a copy into pinned memory behind
-    an event, read (`wait`) once the device got there; elsewhere the tensor itself."""
+class HostCopy:
+    """Device tensors on their way to the host: on CUDA copies into pinned memory behind one event,
+    read (`wait`) once the device got there; elsewhere the tensors themselves."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._event: torch.cuda.Event | None = None
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        self._host = tensors
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tokens
 
-    def wait(self) -> list[int]:
+    def wait(self) -> list[torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host
 
 
 @dataclass
 class InFlight:
-    """A launched step whose sampled tokens the host has not read: the sampling sequences (one row
-    each), where each one's placeholder sits in its output ids, and the tokens on the device."""
+    """A launched step whose draw the host has not read: the sampling sequences (one row each), where
+    each one's placeholder sits in its output ids, the draw on the device and its copy to the host."""
 
     sampling: list[Sequence]
     rows: dict[Sequence, int]
     placeholders: list[int]  # row -> index of the row's PENDING_TOKEN in its sequence's output_ids
-    tokens: torch.Tensor
-    host: HostTokens
+    drawn: DeviceSample
+    host: HostCopy
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.drawn.token_ids
 
 
-def launch(sampling: list[Sequence], tokens: torch.Tensor, host: HostTokens, max_context: int) -> InFlight:
-    """Give each sampling sequence still running its placeholder for `tokens` (on their way in `host`)."""
+def launch(sampling: list[Sequence], drawn: DeviceSample, max_context: int) -> InFlight:
+    """Start the draw's copy to the host and give each sampling sequence its placeholder."""
+    host = HostCopy(drawn.tensors())
     placeholders = []
     for seq in sampling:
         placeholders.append(seq.output_len)
-        if seq.finished:  # it stopped on the step before's token: its row here is dropped when read
-            continue
         seq.output_ids.append(PENDING_TOKEN)
         if seq.output_len >= seq.params.max_tokens or seq.total_len >= max_context:
             seq.last_token_pending = True
-    return InFlight(sampling, {seq: row for row, seq in enumerate(sampling)}, placeholders, tokens, host)
+    return InFlight(sampling, {seq: row for row, seq in enumerate(sampling)}, placeholders, drawn, host)
 
 
 def step(engine: Engine) -> list[Delta]:
@@ -117,20 +122,24 @@ def step(engine: Engine) -> list[Delta]:
     if phases is not None and scheduler.preemptions != preemptions:
         phases.preempted(start_ns)
     finished = scheduler.take_finished()  # could never fit: closed once the step before is read
-    sampling, tokens = batch.sampling, None
-    if batch.seqs:
-        logits = engine.runner.run(batch, engine.in_flight).logits
-        if sampling:
-            tokens = draw(logits, sampling)
-            host = HostTokens(tokens)  # queued behind the step: the host goes on at once
+    logits = engine.runner.run(batch, engine.in_flight).logits if batch.seqs else None
     deltas += settle(engine)
     deltas += [engine.close_choice(s) for s in finished]
-    if batch.seqs:
-        scheduler.update(batch)
-        if phases is not None:
-            phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
-    if tokens is not None:
-        engine.in_flight = launch(sampling, tokens, host, engine.max_context)
+    if logits is None:
+        return deltas
+    scheduler.update(batch)
+    if phases is not None:
+        phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
+    rows = [row for row, seq in enumerate(batch.sampling) if not seq.finished]  # not stopped on the token before
+    if rows:
+        live = [batch.sampling[row] for row in rows]
+        if len(live) < logits.shape[0]:
+            logits = logits[to_device(rows, torch.long, logits.device)]
+        constrain = None
+        if any(seq.matcher is not None for seq in live):  # the matchers took the token before: masks now
+            def constrain(work: torch.Tensor) -> None:
+                engine.masks.constrain(work, live, None, 0)
+        engine.in_flight = launch(live, draw_sample(logits, live, constrain), engine.max_context)
     return deltas
 
 
@@ -140,20 +149,16 @@ def settle(engine: Engine, dropping: str | None = None) -> list[Delta]:
     flight, engine.in_flight = engine.in_flight, None
     if flight is None:
         return []
-    token_ids = flight.host.wait()
+    result = flight.drawn.read(flight.host.wait())
     now = time.monotonic()
     deltas = []
     for row, seq in enumerate(flight.sampling):
-        token, at = token_ids[row], flight.placeholders[row]
-        if at >= seq.output_len or seq.output_ids[at] != PENDING_TOKEN:
-            continue  # it stopped on its token before: this row ran for nothing
-        del seq.output_ids[at:]  # the placeholder is its last id
+        at = flight.placeholders[row]
+        assert seq.output_ids[at:] == [PENDING_TOKEN], "a placeholder is always its sequence's last id"
+        del seq.output_ids[at:]
         if seq.finished:  # the scheduler ended it since (it could never fit): keep the token
-            seq.output_ids.append(token)
-            deltas.append(Delta(seq.request_id, [token], index=seq.index))
+            seq.output_ids.append(result.token_ids[row])
+            deltas.append(Delta(seq.request_id, [result.token_ids[row]], index=seq.index))
         elif seq.request_id != dropping:
-            delta = Delta(seq.request_id, [token], index=seq.index)
-            if not seq.output_ids:
-                attach_prompt_logprobs(seq, delta)
-            deltas.append(engine.emit(seq, token, delta, now))
+            deltas.append(engine.advance(seq, row, result, now))
     return deltas

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,25 +96,51 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+@dataclass
+class DeviceSample:
+    """A step's draw before the host reads it: tensors on the logits' device. The chosen tokens, and
+    where any row asked for logprobs, every row's chosen logprob and its top `max(top_k)` (each row
+    reports its own `top_k[row]` of them)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_k: list[int] = field(default_factory=list)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.token_ids, self.logprobs, self.top_ids, self.top_values) if t is not None]
+
+    def read(self, tensors: list[torch.Tensor] | None = None) -> SampleResult:
+        """The host's result, from `tensors` (host copies of `tensors()`, in order) or from these."""
+        token_ids, *rest = self.tensors() if tensors is None else tensors
+        result = SampleResult(token_ids.tolist())
+        if rest:
+            logprobs, top_ids, top_values = rest
+            result.logprobs = logprobs.tolist()
+            ids, values = top_ids.tolist(), top_values.tolist()
+            result.top_logprobs = [list(zip(ids[r][:k], values[r][:k], strict=True)) for r, k in enumerate(self.top_k)]
+        return result
+
+
 def sample(logits: torch.Tensor, seqs: Seq[Sequence],
            constrain: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
     """Next token for each row of fp32 logits [B, V] (not modified), one row per sequence.
     `constrain` masks (in place, -inf) the tokens each row's grammar forbids, before penalties;
     the reported log-probabilities stay the model's."""
-    want_logprobs = any(s.params.logprobs is not None for s in seqs)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    return draw_sample(logits, seqs, constrain).read()
+
+
+def draw_sample(logits: torch.Tensor, seqs: Seq[Sequence],
+                constrain: Callable[[torch.Tensor], None] | None = None) -> DeviceSample:
+    """`sample` without reading anything on the host (overlapped steps read it a step later)."""
+    raw_logprobs = logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
     chosen = draw(logits, seqs, constrain)
-    result = SampleResult(chosen.tolist())
-    if raw_logprobs is not None:
-        result.logprobs = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-        k = max(s.params.logprobs or 0 for s in seqs)
-        top_values, top_ids = raw_logprobs.topk(max(k, 1), dim=-1)
-        result.top_logprobs = [
-            list(zip(top_ids[r, : s.params.logprobs or 0].tolist(), top_values[r, : s.params.logprobs or 0].tolist(),
-                     strict=True))
-            for r, s in enumerate(seqs)
-        ]
-    return result
+    if raw_logprobs is None:
+        return DeviceSample(chosen)
+    top_k = [s.params.logprobs or 0 for s in seqs]
+    top_values, top_ids = raw_logprobs.topk(max(max(top_k), 1), dim=-1)
+    return DeviceSample(chosen, raw_logprobs.gather(1, chosen[:, None])[:, 0], top_ids, top_values, top_k)
 
 
 def draw(logits: torch.Tensor, seqs: Seq[Sequence],

@@ -182,3 +182,25 @@ def test_required_tool_calls_are_calls_only_with_valid_arguments(tiny: LoadedMod
         for call in ended:
             assert call.name in ("ab", "cd")
             jsonschema.validate(json.loads(call.arguments), tools[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("config", [EngineConfig(num_blocks=200), EngineConfig(num_blocks=14, block_size=8)],
+                         ids=["batched", "preempting"])
+def test_overlapped_steps_constrain_as_plain_steps_do(tiny: LoadedModel, config: EngineConfig) -> None:
+    """Overlapped steps (workers/engine/overlap.py) fill each step's masks once the matchers took the token
+    before: the same valid outputs as plain steps, sampled and greedy, beside unconstrained rows."""
+    from dataclasses import replace
+
+    batch = prompts(6)
+    free = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params = [constrained(temperature=1.0, seed=i) if i % 3 == 0 else constrained(temperature=0.0) if i % 3 == 1
+              else free for i in range(6)]
+    plain = Engine(tiny, replace(config, overlap="off")).generate_batch(batch, params)
+    engine = Engine(tiny, replace(config, overlap="on"))
+    ahead = engine.generate_batch(batch, params)
+    assert [s.output_ids for s in ahead] == [s.output_ids for s in plain]
+    for i, seq in enumerate(ahead):
+        if i % 3 != 2:
+            assert_valid(tiny, seq)
+    engine.check_integrity()
+    assert engine.all_blocks_free_or_evictable() and engine.in_flight is None

@@ -136,17 +136,55 @@ def test_steps_run_ahead_reading_the_pending_tokens_on_the_device(tiny, prompts,
     assert_clean(engine)
 
 
-def test_a_request_that_needs_the_host_steps_plainly_beside_the_others(tiny, prompts) -> None:
-    requests = [(prompts[0], GREEDY),
-                (prompts[1], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)),
-                (prompts[2], GREEDY)]
+def test_logprobs_and_penalties_run_ahead_with_the_plain_steps_results(tiny, prompts, monkeypatch) -> None:
+    """The draw comes after the step before is read: penalties see the output so far, and the chosen and top
+    logprobs travel to the host with the tokens."""
+    ahead_reads = []
+    run_step = ModelRunner.run
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch, pending=None: (
+        ahead_reads.append(pending is not None), run_step(self, batch, pending))[1])
+    requests = [(prompts[0], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)),
+                (prompts[1], SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, frequency_penalty=1.5,
+                                            presence_penalty=0.5, repetition_penalty=1.3, ignore_eos=True)),
+                (prompts[2], SamplingParams(max_tokens=8, temperature=0.8, seed=5, repetition_penalty=1.2,
+                                            ignore_eos=True)),
+                (prompts[3], GREEDY)]
     plain = run(Engine(tiny, EngineConfig(num_blocks=200, overlap="off")), requests)
+    ahead_reads.clear()
     engine = Engine(tiny, EngineConfig(num_blocks=200, overlap="on"))
     ahead = run(engine, requests)
     assert by_request(ahead) == by_request(plain)
-    logprobs = [d.logprobs for d in ahead if d.request_id == "r1" and d.token_ids]
-    assert logprobs == [d.logprobs for d in plain if d.request_id == "r1" and d.token_ids]
-    assert len(logprobs) == 6 and all(lp is not None for lp in logprobs)
+    for request_id in ("r0", "r1"):
+        streamed = [(d.logprobs, d.top_logprobs) for d in ahead if d.request_id == request_id and d.token_ids]
+        assert streamed == [(d.logprobs, d.top_logprobs) for d in plain if d.request_id == request_id and d.token_ids]
+        assert len(streamed) == 8 and all(lp is not None and top is not None for lp, top in streamed)
+    assert all(len(top[0]) == 3 for d in ahead if d.request_id == "r0" and (top := d.top_logprobs))
+    assert sum(ahead_reads) >= 8  # they ran ahead
+    assert_clean(engine)
+
+
+def test_a_request_that_needs_the_host_steps_plainly_beside_the_others(tiny, prompts, monkeypatch) -> None:
+    """Prompt logprobs (computed whole, with the step's hidden states) keep every step plain while the
+    request is running or waiting; the others run ahead before and after."""
+    pending_seen = []
+    run_step = ModelRunner.run
+
+    def spy(self, batch, pending=None):
+        pending_seen.append((pending is not None, any(s.request_id == "r1" for s in batch.seqs)))
+        return run_step(self, batch, pending)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    scoring = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    requests = [(prompts[0], GREEDY), (prompts[1], scoring), (prompts[2], GREEDY)]
+    plain = run(Engine(tiny, EngineConfig(num_blocks=200, overlap="off")), requests)
+    pending_seen.clear()
+    engine = Engine(tiny, EngineConfig(num_blocks=200, overlap="on"))
+    ahead = run(engine, requests)
+    assert by_request(ahead) == by_request(plain)
+    scored = [d.prompt_logprobs for d in ahead if d.request_id == "r1" and d.prompt_logprobs]
+    assert scored == [d.prompt_logprobs for d in plain if d.request_id == "r1" and d.prompt_logprobs] and scored
+    assert not any(ran_ahead for ran_ahead, with_scoring in pending_seen if with_scoring)
+    assert any(ran_ahead for ran_ahead, _ in pending_seen)  # after it ended, the others ran ahead again
     assert_clean(engine)
 
 
