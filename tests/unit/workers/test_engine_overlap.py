@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.deltas import Delta
@@ -19,13 +18,6 @@ from workers.engine.runner import ModelRunner
 from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    system = torch.randint(3, 128, (40,), generator=gen).tolist()
-    return [system + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 1, 30)]
 
 
 def assert_clean(engine: Engine) -> None:

@@ -49,13 +49,6 @@ def reference(folder: Path):
     return log_softmax
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    system = torch.randint(3, 128, (40,), generator=gen).tolist()
-    return [system + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 1, 30)]
-
-
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[Delta]]:
     """Every delta of each request, run together to the end."""
     for request_id, (prompt, params) in requests.items():

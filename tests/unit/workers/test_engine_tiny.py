@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -17,13 +16,6 @@ from workers.models.loader import LoadedModel
 from workers.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    system = torch.randint(3, 128, (40,), generator=gen).tolist()
-    return [system + torch.randint(3, 128, (n,), generator=gen).tolist() for n in (5, 17, 1, 30)]
 
 
 @pytest.fixture(scope="module")
