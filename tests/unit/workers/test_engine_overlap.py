@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
+from tests.unit.workers.engine_regimes import REGIMES
 from workers.engine.config import EngineConfig
 from workers.engine.deltas import Delta
 from workers.engine.engine import Engine
@@ -44,15 +43,7 @@ def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> lis
     return deltas
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        EngineConfig(num_blocks=200),  # everything batched together
-        EngineConfig(num_blocks=200, max_batch_tokens=16),  # chunked prefill beside decodes
-        EngineConfig(num_blocks=12, block_size=8),  # preemption: 12 blocks cannot hold all four
-    ],
-    ids=["batched", "chunked", "preempting"],
-)
+@REGIMES
 def test_overlapped_steps_match_plain_steps(tiny, prompts, config: EngineConfig) -> None:
     plain = Engine(tiny, replace(config, overlap="off"))
     ahead = Engine(tiny, replace(config, overlap="on"))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.workers.engine_regimes import REGIMES
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import FinishReason, Priority
@@ -29,15 +30,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not engine.sequences and not engine.has_work()
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        EngineConfig(num_blocks=200),  # everything batched together
-        EngineConfig(num_blocks=200, max_batch_tokens=16),  # chunked prefill beside decodes
-        EngineConfig(num_blocks=12, block_size=8),  # preemption: 12 blocks cannot hold all four
-    ],
-    ids=["batched", "chunked", "preempting"],
-)
+@REGIMES
 def test_greedy_matches_plain_generation(tiny, prompts, expected, config: EngineConfig) -> None:
     engine = Engine(tiny, config)
     first = engine.generate_batch(prompts, GREEDY)
