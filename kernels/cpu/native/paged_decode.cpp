@@ -63,7 +63,7 @@ struct TaskRows {
   int64_t n;
   float* s;
   int64_t L;
-  int64_t prefetch_bytes;  // the task's first pass: bytes of K and V per token fetched kPrefetch tokens ahead (0: none)
+  bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
   const float* k_scales;  // int8 caches: each row's scale (else null)
   const float* v_scales;
   BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
@@ -86,7 +86,7 @@ void scores_float(const float* qf, TaskRows<C> t) {
   }
   int64_t i = 0;
   for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch_bytes) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, t.prefetch_bytes);
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, row_bytes<C, D>());
     Vec a[NG][4];
     for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = Vec(0.f);
     const C* k0 = t.kp + t.rows[i];
@@ -126,7 +126,7 @@ TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<
   auto query = [&](int64_t g, int64_t j) { return (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * j); };
   int64_t i = 0;
   for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch_bytes) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, t.prefetch_bytes);
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * 2);
     __m512 a[NG][4];
     for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -306,10 +306,6 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  // KV head 0's task fetches each token's whole record (every head's row: the cache stores a token's heads
-  // side by side), so the other heads' tasks of the sequence, which follow it on the same thread, find
-  // theirs in L2; each then still prefetches its own row (cheap where it is there already).
-  const auto prefetch_bytes = [&](int64_t h) { return (h == 0 ? Hkv : 1) * row_bytes<C, D>(); };
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
@@ -327,8 +323,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
       }
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0 ? prefetch_bytes(h) : 0,
-                            k_scales.data(), v_scales.data(), probs16.data()};
+        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, k_scales.data(), v_scales.data(),
+                            probs16.data()};
         switch (std::min(kHeadsPerPass, G - g0)) {
           case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
 #if defined(CPU_CAPABILITY_AVX512)
