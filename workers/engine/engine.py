@@ -259,6 +259,9 @@ class Engine:
     def advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
         return self._advance(seq, row, result, now)
 
+    def start_forks(self, update: StepUpdate, logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        return self._start_forks(update, logits)
+
     def close_choice(self, seq: Sequence) -> Delta:
         """The closing delta of a choice the scheduler finished."""
         return self._final_delta(seq, Delta(seq.request_id, index=seq.index))

@@ -22,9 +22,9 @@ reached) sits out until it is read (`Sequence.last_token_pending`): it always fi
 
 The step's draw comes after 3, so what it reads on the host is current: grammar masks from matchers
 that took the token before, penalties over the output so far; its logprobs travel to the host with
-its tokens. Not run ahead (the engine reads the step in flight and steps plainly while any running or
-waiting request is one): prompt logprobs, prompt-only requests, n > 1 before its choices fork, and
-speculative drafting. An abort reads the step in flight too (`Engine.abort`).
+its tokens; choices forked in the step (n > 1) draw from their parent's row as in a plain step. Not run
+ahead (the engine reads the step in flight and steps plainly while any running or waiting request is
+one): prompt logprobs, prompt-only requests and speculative drafting. An abort reads the step in flight too (`Engine.abort`).
 
 On by default on CUDA (`EngineConfig.overlap`, TOLLWAY_OVERLAP); on a CPU the same cores run the
 host's work and the model, so nothing overlaps: `on` there is for tests (the tokens must equal the
@@ -55,10 +55,10 @@ def enabled(mode: OverlapMode, device_type: str) -> bool:
 
 
 def runs_ahead(seq: Sequence) -> bool:
-    """Whether a sequence can run ahead: not a prompt-only request, no prompt logprobs to compute, no
-    choices still to fork from it (n > 1: they draw from its row in the step that forks them)."""
+    """Whether a sequence can run ahead: not a prompt-only request, no prompt logprobs to compute (both
+    are read on the host inside their step)."""
     p = seq.params
-    return p.prompt_logprobs is None and seq.pending_forks == 0 and p.max_tokens > 0
+    return p.prompt_logprobs is None and p.max_tokens > 0
 
 
 class HostCopy:
@@ -127,12 +127,13 @@ def step(engine: Engine) -> list[Delta]:
     deltas += [engine.close_choice(s) for s in finished]
     if logits is None:
         return deltas
-    scheduler.update(batch)
+    update = scheduler.update(batch)
     if phases is not None:
         phases.step(batch.seqs, batch.num_new, start_ns, time.time_ns())
-    rows = [row for row, seq in enumerate(batch.sampling) if not seq.finished]  # not stopped on the token before
+    sampling, logits = engine.start_forks(update, logits)  # n > 1: each choice forked now draws from its parent's row
+    rows = [row for row, seq in enumerate(sampling) if not seq.finished]  # not stopped on the token before
     if rows:
-        live = [batch.sampling[row] for row in rows]
+        live = [sampling[row] for row in rows]
         if len(live) < logits.shape[0]:
             logits = logits[to_device(rows, torch.long, logits.device)]
         constrain = None

@@ -215,3 +215,23 @@ def test_captured_steps_read_the_pending_tokens_too(tiny, prompts) -> None:
     assert [s.output_ids for s in engine.generate_batch(prompts, params)] == expected
     assert (4, 256) in graphs.graphs and graphs.failed is None
     assert_clean(engine)
+
+
+def test_n_choices_fork_and_run_ahead_as_plain_steps_do(tiny, prompts) -> None:
+    """A request with n = 3 (seeded sampling) and one greedy beside it: the choices forked in an overlapped
+    step draw from their parent's row and then run ahead, giving the plain steps' tokens per choice."""
+    requests = [(prompts[3], SamplingParams(max_tokens=7, temperature=1.0, seed=500, n=3, ignore_eos=True)),
+                (prompts[1], GREEDY)]
+
+    def per_choice(deltas: list[Delta]) -> dict[tuple[str, int], list[int]]:
+        out: dict[tuple[str, int], list[int]] = {}
+        for d in deltas:
+            out.setdefault((d.request_id, d.index), []).extend(d.token_ids)
+        return out
+
+    plain = per_choice(run(Engine(tiny, EngineConfig(num_blocks=200, overlap="off")), requests))
+    engine = Engine(tiny, EngineConfig(num_blocks=200, overlap="on"))
+    ahead = per_choice(run(engine, requests))
+    assert ahead == plain and len(plain) == 4 and all(len(v) == 7 for k, v in plain.items() if k[0] == "r0")
+    assert len({tuple(v) for k, v in plain.items() if k[0] == "r0"}) > 1  # the choices differ
+    assert_clean(engine)
