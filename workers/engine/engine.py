@@ -22,6 +22,7 @@ import torch
 from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
+from kernels.metadata import to_device
 from workers.engine import grammar, overlap, speculative
 from workers.engine.batch import StepUpdate
 from workers.engine.config import EngineConfig, step_token_budget
@@ -211,7 +212,8 @@ class Engine:
                 self._phases.fork(fork.parent, child, time.time_ns())
             self._texts[(child.request_id, child.index)] = OutputText(self.loaded.tokenizer, child.params.stop)
         children = [fork.child for fork in update.forks]
-        return update.sampling + children, torch.cat([logits, logits[[fork.row for fork in update.forks]]])
+        parents = to_device([fork.row for fork in update.forks], torch.long, logits.device)
+        return update.sampling + children, torch.cat([logits, logits[parents]])
 
     def _advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
         """Append the token sampled in `row`, then check stops."""

@@ -35,29 +35,30 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
     device = logits.device
     vocab = logits.shape[1]
     for_rows = [seqs[i] for i in rows]
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, torch.long, device)
     sub = logits[index]
     # token counts of each row's output, and a seen-anywhere mask for the repetition penalty
-    width = max(max(s.output_len for s in for_rows), 1)
-    outputs = torch.full((len(rows), width), vocab, dtype=torch.long, device=device)
-    for r, s in enumerate(for_rows):
-        if s.output_ids:
-            outputs[r, : s.output_len] = torch.tensor(s.output_ids, device=device)
+    outputs = _padded_ids([s.output_ids for s in for_rows], vocab, device)
     counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
         1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
-    width = max(s.total_len for s in for_rows)
-    seen_ids = torch.full((len(rows), width), vocab, dtype=torch.long, device=device)
-    for r, s in enumerate(for_rows):
-        seen_ids[r, : s.total_len] = torch.tensor(s.all_ids, device=device)
+    seen_ids = _padded_ids([s.all_ids for s in for_rows], vocab, device)
     seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device).scatter_(
         1, seen_ids, True)[:, :vocab]
-    rep = torch.tensor([s.params.repetition_penalty for s in for_rows], device=device)[:, None]
+    rep = to_device([s.params.repetition_penalty for s in for_rows], torch.float32, device)[:, None]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalized, sub)
-    freq = torch.tensor([s.params.frequency_penalty for s in for_rows], device=device)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in for_rows], device=device)[:, None]
+    freq = to_device([s.params.frequency_penalty for s in for_rows], torch.float32, device)[:, None]
+    pres = to_device([s.params.presence_penalty for s in for_rows], torch.float32, device)[:, None]
     sub -= freq * counts + pres * (counts > 0).float()
     logits[index] = sub
+
+
+def _padded_ids(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids as one int64 [len(rows), longest] tensor on `device`, `fill` past each row's end;
+    one copy to the device (`to_device`: no wait for its queue), not one per row."""
+    width = max(max(len(r) for r in rows), 1)
+    flat = [t for r in rows for t in (*r, *[fill] * (width - len(r)))]
+    return to_device(flat, torch.long, device).view(len(rows), width)
 
 
 def truncate(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
