@@ -24,7 +24,11 @@
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
 // AVX512 host this took the op over 30 scattered layers from 68 to 44 ms in bf16 (ops/bench/paged_decode.py).
 // The prefetches go to L2, not L1: L1's few miss buffers held the op to ~8 GB/s a thread (2-core EPYC,
-// scattered bf16 24.6 -> 13.5 ms; the AVX2 build's fp32 37.9 -> 26.4 ms).
+// scattered bf16 24.6 -> 13.5 ms; the AVX2 build's fp32 37.9 -> 26.4 ms). The score loop fetched both K and
+// V, and the V sum (reading only rows already in L2) left the memory idle: the V sum now fetches the thread's
+// next task's K rows, so each half of a task streams half its bytes while it computes (the engine's bf16
+// decode step at batch 32 x 380: 50.6-51.6 -> 46.1-47.4 ms on a 2-core EPYC). Dropping the score loop's K
+// prefetch for those rows (already fetched) made scattered caches slower (13.6-15.0 -> 20.7-21.4 ms): kept.
 #include "paged_decode.h"
 
 #include <ATen/Parallel.h>
@@ -64,6 +68,8 @@ struct TaskRows {
   float* s;
   int64_t L;
   bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
+  const int64_t* next_rows;  // the thread's next task's row offsets (its K rows are fetched during this V sum)
+  int64_t next_n;            // how many (0: no next task, or not this pass)
   const float* k_scales;  // int8 caches: each row's scale (else null)
   const float* v_scales;
   BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
@@ -183,7 +189,9 @@ TOLLWAY_BF16_DOT void value_sum_bf16(TaskRows<BFloat16> t, const float* inv, flo
     for (int64_t g = 0; g < NG; ++g) {
       for (int64_t j = 0; j < K; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
     }
+    const bool fetch_next = d == 0 && t.next_n > 0;
     for (int64_t i = 0; i < t.n; i += 2) {
+      if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(i, t.next_n), std::min(i + 2, t.next_n), D * 2);
       const BFloat16* r0 = t.vp + t.rows[i] + d;
       const BFloat16* r1 = i + 1 < t.n ? t.vp + t.rows[i + 1] + d : zeros + d;
       __m512bh p[NG];
@@ -203,6 +211,7 @@ TOLLWAY_BF16_DOT void value_sum_bf16(TaskRows<BFloat16> t, const float* inv, flo
         }
       }
     }
+    if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(t.n + t.n % 2, t.next_n), t.next_n, D * 2);
     // Lane q of lo holds dim 8 (q / 4) + q % 4 of its 32 (the unpack works within 128-bit lanes); of hi, 4 more.
     for (int64_t g = 0; g < NG; ++g) {
       for (int64_t j = 0; j < K; ++j) {
@@ -230,7 +239,9 @@ void value_sum(TaskRows<C> t, const float* inv, float* acc) {
     for (int64_t g = 0; g < NG; ++g) {
       for (int64_t j = 0; j < K; ++j) sum[g][j] = Vec(0.f);
     }
+    const bool fetch_next = d == 0 && t.next_n > 0;
     for (int64_t i = 0; i < t.n; ++i) {
+      if (fetch_next && i < t.next_n) prefetch_rows(t.kp, t.next_rows, i, i + 1, row_bytes<C, D>());
       Vec p[NG];
       for (int64_t g = 0; g < NG; ++g) p[g] = Vec(t.s[g * t.L + i]);
       const C* row = t.vp + t.rows[i] + d;
@@ -241,6 +252,7 @@ void value_sum(TaskRows<C> t, const float* inv, float* acc) {
         for (int64_t g = 0; g < NG; ++g) sum[g][j] = at::vec::fmadd(p[g], v, sum[g][j]);
       }
     }
+    if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(t.n, t.next_n), t.next_n, row_bytes<C, D>());
     for (int64_t g = 0; g < NG; ++g) {
       for (int64_t j = 0; j < K; ++j) (sum[g][j] * Vec(inv[g])).store(acc + g * D + d + j * W);
     }
@@ -308,14 +320,22 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
-    std::vector<int64_t> rows(L);  // element offset of each context token's row for this head
+    std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
     constexpr bool int8_cache = std::is_same_v<C, int8_t>;
     std::vector<float> k_scales(int8_cache ? L : 0), v_scales(int8_cache ? L : 0);
     std::vector<BFloat16> probs16(std::is_same_v<C, BFloat16> ? kHeadsPerPass * L : 0);
+    // The rows of task `task` (b, h): n of them into `into`.
+    auto task_rows = [&](int64_t task, int64_t* into) {
+      const int64_t b = task / Hkv, start = geo.start(b, window), n = geo.lens[b] - start;
+      geo.fill_rows(b, task % Hkv, start, n, into);
+      return n;
+    };
+    int64_t next_n = task_rows(begin, next_rows.data());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t start = geo.start(b, window), n = geo.lens[b] - start;
-      geo.fill_rows(b, h, start, n, rows.data());
+      const int64_t n = next_n;
+      rows.swap(next_rows);
+      next_n = task + 1 < end ? task_rows(task + 1, next_rows.data()) : 0;
       if constexpr (int8_cache) {
         for (int64_t i = 0; i < n; ++i) {
           k_scales[i] = row_scale(kp + rows[i], D);
@@ -323,8 +343,8 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         }
       }
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
-        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, k_scales.data(), v_scales.data(),
-                            probs16.data()};
+        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, next_rows.data(),
+                            g0 + kHeadsPerPass >= G ? next_n : 0, k_scales.data(), v_scales.data(), probs16.data()};
         switch (std::min(kHeadsPerPass, G - g0)) {
           case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
 #if defined(CPU_CAPABILITY_AVX512)

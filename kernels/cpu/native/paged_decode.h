@@ -25,6 +25,18 @@ inline void prefetch_ahead(const C* kp, const C* vp, const int64_t* rows, int64_
   }
 }
 
+// Prefetch the K rows (row_bytes each) of the next task's tokens [from, to) into L2. The V sum reads only
+// rows the score loop already fetched, so without this the memory bus idles through it while the score loop
+// waits on K and V both; the V sum calls this, spreading the next task's K rows over its tokens.
+template <typename C>
+inline void prefetch_rows(const C* kp, const int64_t* rows, int64_t from, int64_t to, int64_t row_bytes) {
+  for (int64_t t = from; t < to; ++t) {
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + byte, 0, 2);
+    }
+  }
+}
+
 // Scores s[0, n) scaled by fscale, then softmaxed in place over n_padded lanes (the padding set to
 // exp(-inf) = 0); returns 1 / (sum of the exponentials), which the V sum multiplies by.
 inline float softmax_in_place(float* s, int64_t n, int64_t n_padded, float fscale) {
