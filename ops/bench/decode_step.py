@@ -188,9 +188,9 @@ def main() -> None:
           f"CPU flags: {cpu_flags()}; torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")
     dtypes = [torch.bfloat16] if cpu_has_native_bf16() else []
     for dtype in dtypes:
-        for kv_cache_dtype in args.bf16_kv_cache_dtypes.split(","):
+        for kv_cache_dtype in filter(None, args.bf16_kv_cache_dtypes.split(",")):  # "": none
             run(folder, dtype, args.batch, args.context, args.steps, kv_cache_dtype, args.compile, warm_buckets)
-    for kv_cache_dtype in args.kv_cache_dtypes.split(","):
+    for kv_cache_dtype in filter(None, args.kv_cache_dtypes.split(",")):  # "": no fp32 run
         run(folder, torch.float32, args.batch, args.context, args.steps, kv_cache_dtype, args.compile, warm_buckets)
 
 
