@@ -23,7 +23,7 @@ from opentelemetry.trace import Tracer
 
 from cache.block_pool import BlockPool
 from kernels.metadata import to_device
-from workers.engine import grammar, overlap, speculative
+from workers.engine import engine_info, grammar, overlap, speculative
 from workers.engine.batch import StepUpdate
 from workers.engine.config import EngineConfig, step_token_budget
 from workers.engine.deltas import Delta, OpenRequest, attach_prompt_logprobs
@@ -188,7 +188,7 @@ class Engine:
             return deltas
         if masks is not None and update.forks:
             masks.result()  # forking reads the parents' matchers: not while the helper fills from them
-        sampling, logits = self._start_forks(update, logits)
+        sampling, logits = self.start_forks(update, logits)
         constrain = None
         if masks is not None or any(fork.child.matcher is not None for fork in update.forks):
             def constrain(work: torch.Tensor) -> None:
@@ -196,12 +196,13 @@ class Engine:
         result = sample(logits, sampling, constrain)
         now = time.monotonic()
         for row, seq in enumerate(sampling):
-            deltas.append(self._advance(seq, row, result, now))
+            deltas.append(self.advance(seq, row, result, now))
         return deltas
 
-    def _start_forks(self, update: StepUpdate, logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    def start_forks(self, update: StepUpdate, logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """The engine's side of the choices forked this step (generator, text, spans); each samples
-        its first token from its parent's row. Returns every sampling sequence and its logits row."""
+        its first token from its parent's row. Returns every sampling sequence and its logits row.
+        Called by this step and by overlapped steps (overlap.py)."""
         if not update.forks:
             return update.sampling, logits
         for fork in update.forks:
@@ -215,8 +216,9 @@ class Engine:
         parents = to_device([fork.row for fork in update.forks], torch.long, logits.device)
         return update.sampling + children, torch.cat([logits, logits[parents]])
 
-    def _advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
-        """Append the token sampled in `row`, then check stops."""
+    def advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
+        """Append the token sampled in `row`, then check stops (this step's, or an overlapped step's
+        once read: overlap.py)."""
         token = result.token_ids[row]
         delta = Delta(seq.request_id, [token], index=seq.index)
         if not seq.output_ids:
@@ -257,12 +259,6 @@ class Engine:
     def take_carried(self) -> list[Delta]:
         carried, self._carried = self._carried, []
         return carried
-
-    def advance(self, seq: Sequence, row: int, result: SampleResult, now: float) -> Delta:
-        return self._advance(seq, row, result, now)
-
-    def start_forks(self, update: StepUpdate, logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        return self._start_forks(update, logits)
 
     def close_choice(self, seq: Sequence) -> Delta:
         """The closing delta of a choice the scheduler finished."""
@@ -315,28 +311,8 @@ class Engine:
         return self.scheduler.kv_utilization()
 
     def info(self) -> dict[str, object]:
-        held, capacity = self.kv_utilization()
-        stats = self.cache.stats()
-        return {
-            "model": self.name,
-            "dtype": str(self.loaded.model.dtype).removeprefix("torch."),
-            "quantization": self.loaded.quantization,
-            "quantized_activations": self.loaded.activations if self.loaded.quantization != "none" else None,
-            "kv_cache_dtype": str(self.runner.kv.keys[0].dtype).removeprefix("torch."),  # what the blocks hold
-            "context_length": self.max_context,
-            "block_size": stats.block_size,
-            "blocks": {"total": stats.num_blocks, "free": stats.num_free, "used": stats.num_used,
-                       "evictable": stats.num_evictable},
-            "kv_utilization": held / capacity if capacity else None,
-            "cache": stats.namespaces,
-            "finished": dict(self.finished_counts),
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.preemptions,
-            "scheduling": self.scheduler.policy,
-            "tenants": self.scheduler.tenant_stats(),
-            "speculative": {"mode": self.config.speculative, **self.spec_stats.as_dict()},
-        }
+        """A snapshot of what the engine holds and has done (workers/engine/engine_info.py)."""
+        return engine_info.describe(self)
 
     def all_blocks_free_or_evictable(self) -> bool:
         return self.cache.all_free_or_evictable()
