@@ -16,9 +16,13 @@
 // model took the op's compute (30 layers, batch 32 x 380 tokens, cache hot) from 9.6 to 6.6 ms in bf16 and
 // 15.5 to 10.1 ms in fp32 on a 2-core AVX512 host (ops/bench/RESULTS.md).
 //
-// A bf16 cache under a bf16 model, where the CPU has AVX512-BF16, takes its products on vdpbf16ps: the scores
-// (scores_bf16) and the V sum, two tokens per instruction with the probabilities rounded to bf16
-// (value_sum_bf16): the op's compute over 30 layers at batch 32 x 380 (cache hot) 6.4-7.2 -> 5.3-5.7 ms.
+// A bf16 cache under a bf16 model, where the CPU has AVX512-BF16, takes its products on vdpbf16ps
+// (paged_decode_bf16.h): the scores (scores_bf16) and the V sum, two tokens per instruction with the
+// probabilities rounded to bf16 (value_sum_bf16): the op's compute over 30 layers at batch 32 x 380 (cache hot)
+// 6.4-7.2 -> 5.3-5.7 ms. With enough sequences it runs a task per sequence over its every KV head
+// (sequence_task), whose score loop reads each token's whole record: the engine's bf16 decode step at batch
+// 32 x 380 went 1.59-1.63x -> 1.56-1.57x its matmuls on a 2-core EPYC (the op alone: contiguous ~8% faster,
+// scattered level).
 //
 // A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
@@ -29,7 +33,7 @@
 // next task's K rows, so each half of a task streams half its bytes while it computes (the engine's bf16
 // decode step at batch 32 x 380: 50.6-51.6 -> 46.1-47.4 ms on a 2-core EPYC). Dropping the score loop's K
 // prefetch for those rows (already fetched) made scattered caches slower (13.6-15.0 -> 20.7-21.4 ms): kept.
-#include "paged_decode.h"
+#include "paged_decode_bf16.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -40,46 +44,6 @@
 namespace {
 
 using namespace tollway_native;
-
-// Query heads of one KV head that share a pass over its rows, and the vector registers the loops may fill.
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t kHeadsPerPass = 4, kRegisters = 32;
-#else
-constexpr int64_t kHeadsPerPass = 1, kRegisters = 16;
-#endif
-
-// Vectors of a V row summed per pass over the tokens for NG heads: NG accumulators per vector, NG
-// probabilities and the row's vector must fit the registers (one pass for D <= 8W with few heads).
-template <int64_t V, int64_t NG>
-constexpr int64_t value_chunk() {
-  int64_t k = V;
-  while (k > 1 && NG * k + NG + 1 > kRegisters) k /= 2;
-  return k;
-}
-
-// One (sequence, KV head) task's view of its rows: the context's n row offsets into the caches, and the
-// scores buffer (a row of L floats per query head of the pass).
-template <typename C>
-struct TaskRows {
-  const C* kp;
-  const C* vp;
-  const int64_t* rows;
-  int64_t n;
-  float* s;
-  int64_t L;
-  bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
-  const int64_t* next_rows;  // the thread's next task's row offsets (its K rows are fetched during this V sum)
-  int64_t next_n;            // how many (0: no next task, or not this pass)
-  const float* k_scales;  // int8 caches: each row's scale (else null)
-  const float* v_scales;
-  BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
-};
-
-// Bytes of a cache row of D values of C: int8 rows carry their fp32 scale after the codes.
-template <typename C, int64_t D>
-constexpr int64_t row_bytes() {
-  return D * int64_t(sizeof(C)) + (std::is_same_v<C, int8_t> ? kScaleBytes : 0);
-}
 
 // Scores of NG query heads (qf: [NG][D] floats) against the task's K rows: each row is read once for the
 // NG heads, four tokens at a time with one reduction per head.
@@ -120,114 +84,6 @@ void scores_float(const float* qf, TaskRows<C> t) {
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-
-// The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
-// with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs
-// into 16 fp32 lanes, replacing the widening of every K row to fp32 and its two multiply-adds.
-template <int64_t D, int64_t NG>
-TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t) {
-  static_assert(D % 32 == 0, "32 bf16 values per vector");
-  auto row = [&](int64_t token, int64_t j) { return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + 32 * j); };
-  auto query = [&](int64_t g, int64_t j) { return (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * j); };
-  int64_t i = 0;
-  for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * 2);
-    __m512 a[NG][4];
-    for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < D / 32; ++j) {
-      const __m512bh k0 = row(i, j), k1 = row(i + 1, j), k2 = row(i + 2, j), k3 = row(i + 3, j);
-#pragma GCC unroll 8
-      for (int64_t g = 0; g < NG; ++g) {
-        const __m512bh qv = query(g, j);
-        a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
-        a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
-        a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
-        a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
-      }
-    }
-    for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), t.s + g * t.L + i);
-  }
-  for (; i < t.n; ++i) {
-    for (int64_t g = 0; g < NG; ++g) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, query(g, j), row(i, j));
-      t.s[g * t.L + i] = _mm512_reduce_add_ps(a);
-    }
-  }
-}
-
-// Vectors of 32 bf16 of a V row summed per pass over the tokens for NG heads: two accumulators per vector
-// and head, the pair of rows' two interleaved halves and NG probabilities must fit the 32 registers.
-template <int64_t J, int64_t NG>
-constexpr int64_t bf16_value_chunk() {
-  int64_t k = J;
-  while (k > 1 && 2 * NG * k + 2 * k + NG > 32) k /= 2;
-  return k;
-}
-
-// value_sum (below) for a bf16 cache, with AVX512-BF16 dot products over pairs of tokens: each vdpbf16ps adds
-// p_i v_i[d] + p_i+1 v_i+1[d] for 16 dims, the two rows interleaved 16 bits at a time. The probabilities are
-// rounded to bf16 first (relative error 2^-9, as the attention's bf16 output itself rounds; flash attention's
-// GPU kernels round P for the same product); the products are exact and summed in fp32. It halves the
-// instructions of the fp32 sum, which widens every V row and spends one multiply-add per value and head.
-template <int64_t D, int64_t NG>
-TOLLWAY_BF16_DOT void value_sum_bf16(TaskRows<BFloat16> t, const float* inv, float* acc) {
-  static_assert(D % 32 == 0, "32 bf16 values per vector");
-  constexpr int64_t J = D / 32, K = bf16_value_chunk<J, NG>();
-  const int64_t n_padded = (t.n + W - 1) / W * W;  // the softmax left zeros up to here: p_n = 0 pairs a lone last token
-  for (int64_t g = 0; g < NG; ++g) {
-    for (int64_t i = 0; i < n_padded; i += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.probs16 + g * t.L + i),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(t.s + g * t.L + i)));
-    }
-  }
-  alignas(64) static const BFloat16 zeros[D] = {};  // the row beside a lone last token (its p is 0)
-  for (int64_t d = 0; d < D; d += 32 * K) {
-    __m512 lo[NG][K], hi[NG][K];
-    for (int64_t g = 0; g < NG; ++g) {
-      for (int64_t j = 0; j < K; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
-    }
-    const bool fetch_next = d == 0 && t.next_n > 0;
-    for (int64_t i = 0; i < t.n; i += 2) {
-      if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(i, t.next_n), std::min(i + 2, t.next_n), D * 2);
-      const BFloat16* r0 = t.vp + t.rows[i] + d;
-      const BFloat16* r1 = i + 1 < t.n ? t.vp + t.rows[i + 1] + d : zeros + d;
-      __m512bh p[NG];
-      for (int64_t g = 0; g < NG; ++g) {
-        int32_t pair;
-        std::memcpy(&pair, t.probs16 + g * t.L + i, sizeof(pair));  // p_i in the low half, p_i+1 in the high
-        p[g] = (__m512bh)_mm512_set1_epi32(pair);
-      }
-#pragma GCC unroll 8
-      for (int64_t j = 0; j < K; ++j) {
-        const __m512i a = _mm512_loadu_si512(r0 + 32 * j), b = _mm512_loadu_si512(r1 + 32 * j);
-        const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-#pragma GCC unroll 8
-        for (int64_t g = 0; g < NG; ++g) {
-          lo[g][j] = _mm512_dpbf16_ps(lo[g][j], p[g], ab_lo);
-          hi[g][j] = _mm512_dpbf16_ps(hi[g][j], p[g], ab_hi);
-        }
-      }
-    }
-    if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(t.n + t.n % 2, t.next_n), t.next_n, D * 2);
-    // Lane q of lo holds dim 8 (q / 4) + q % 4 of its 32 (the unpack works within 128-bit lanes); of hi, 4 more.
-    for (int64_t g = 0; g < NG; ++g) {
-      for (int64_t j = 0; j < K; ++j) {
-        alignas(64) float l[16], h[16];
-        _mm512_store_ps(l, _mm512_mul_ps(lo[g][j], _mm512_set1_ps(inv[g])));
-        _mm512_store_ps(h, _mm512_mul_ps(hi[g][j], _mm512_set1_ps(inv[g])));
-        float* out = acc + g * D + d + 32 * j;
-        for (int64_t q = 0; q < 16; ++q) {
-          out[8 * (q / 4) + q % 4] = l[q];
-          out[8 * (q / 4) + 4 + q % 4] = h[q];
-        }
-      }
-    }
-  }
-}
-#endif
 
 // out[g] = sum_i p_g[i] v_i * inv[g] for the NG heads of a pass (probabilities in t.s): each V row is read
 // once for the NG heads, value_chunk vectors of it per pass over the tokens, the sums in registers.
@@ -305,6 +161,7 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
   for (int64_t g = 0; g < NG; ++g) store_floats(acc + g * D, op + geo.out_offset(b, first + g), D);
 }
 
+
 template <typename T, typename C, int64_t D>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
@@ -318,6 +175,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
+    if (decode_by_sequence<D>(geo, qp, kp, vp, op, fscale, window)) return;
+  }
+#endif
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head

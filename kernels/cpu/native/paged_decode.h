@@ -11,6 +11,46 @@ namespace tollway_native {
 constexpr int64_t kMaxGroup = 8;   // query heads per KV head the kernels take
 constexpr int64_t kPrefetch = 16;  // tokens ahead whose K/V rows are prefetched
 
+// Query heads of one KV head that share a pass over its rows, and the vector registers the loops may fill.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kHeadsPerPass = 4, kRegisters = 32;
+#else
+constexpr int64_t kHeadsPerPass = 1, kRegisters = 16;
+#endif
+
+// Vectors of a V row summed per pass over the tokens for NG heads: NG accumulators per vector, NG
+// probabilities and the row's vector must fit the registers (one pass for D <= 8W with few heads).
+template <int64_t V, int64_t NG>
+constexpr int64_t value_chunk() {
+  int64_t k = V;
+  while (k > 1 && NG * k + NG + 1 > kRegisters) k /= 2;
+  return k;
+}
+
+// One (sequence, KV head) task's view of its rows: the context's n row offsets into the caches, and the
+// scores buffer (a row of L floats per query head of the pass).
+template <typename C>
+struct TaskRows {
+  const C* kp;
+  const C* vp;
+  const int64_t* rows;
+  int64_t n;
+  float* s;
+  int64_t L;
+  bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
+  const int64_t* next_rows;  // the thread's next task's row offsets (its K rows are fetched during this V sum)
+  int64_t next_n;            // how many (0: no next task, or not this pass)
+  const float* k_scales;  // int8 caches: each row's scale (else null)
+  const float* v_scales;
+  BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
+};
+
+// Bytes of a cache row of D values of C: int8 rows carry their fp32 scale after the codes.
+template <typename C, int64_t D>
+constexpr int64_t row_bytes() {
+  return D * int64_t(sizeof(C)) + (std::is_same_v<C, int8_t> ? kScaleBytes : 0);
+}
+
 // Prefetch the K and V rows (row_bytes each) of the four tokens kPrefetch after token i, where they exist:
 // a sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the stream at every block
 // boundary. The kernels call it from their first query head's score loop. Into L2 (locality 2): software

@@ -69,6 +69,23 @@ def test_paged_decode_matches_reference(group: int, head_dim: int, block_size: i
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("lengths", [[1, 2, 15, 16, 17, 77, 321], [77, 321]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_by_sequence_and_by_kv_head(lengths: list[int], threads: int) -> None:
+    """A bf16 cache takes a task per sequence where there are at least two per thread (paged_decode_bf16.h),
+    else a task per KV head: both give the reference's attention."""
+    k_cache, v_cache, meta = paged_batch(lengths, 8, 3, 64, torch.bfloat16, seed=len(lengths) + threads)
+    q = torch.randn(len(lengths), 9, 64).bfloat16()
+    expected = reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, 0)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, **tolerance(torch.bfloat16))
+
+
 def test_paged_decode_reads_strided_queries() -> None:
     """q may be a view into the fused qkv rows (row stride > Hq * D), as the fused decode passes it."""
     k_cache, v_cache, meta = paged_batch([5, 40, 33], 16, 3, 64, torch.float32, seed=4)

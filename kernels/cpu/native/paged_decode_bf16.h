@@ -1,0 +1,217 @@
+// paged_decode.cpp's kernels on AVX512-BF16's vdpbf16ps, for a bf16 model over a bf16 cache: the scores and
+// the V sum of a (sequence, KV head) task's query heads, and a whole sequence's every KV head in one task.
+#pragma once
+
+#include "paged_decode.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace tollway_native {
+
+// The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
+// with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs
+// into 16 fp32 lanes, replacing the widening of every K row to fp32 and its two multiply-adds.
+template <int64_t D, int64_t NG>
+TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t) {
+  static_assert(D % 32 == 0, "32 bf16 values per vector");
+  auto row = [&](int64_t token, int64_t j) { return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + 32 * j); };
+  auto query = [&](int64_t g, int64_t j) { return (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * j); };
+  int64_t i = 0;
+  for (; i + 4 <= t.n; i += 4) {
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * 2);
+    __m512 a[NG][4];
+    for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < D / 32; ++j) {
+      const __m512bh k0 = row(i, j), k1 = row(i + 1, j), k2 = row(i + 2, j), k3 = row(i + 3, j);
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < NG; ++g) {
+        const __m512bh qv = query(g, j);
+        a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
+        a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
+        a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
+        a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+      }
+    }
+    for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), t.s + g * t.L + i);
+  }
+  for (; i < t.n; ++i) {
+    for (int64_t g = 0; g < NG; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, query(g, j), row(i, j));
+      t.s[g * t.L + i] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+// Vectors of 32 bf16 of a V row summed per pass over the tokens for NG heads: two accumulators per vector
+// and head, the pair of rows' two interleaved halves and NG probabilities must fit the 32 registers.
+template <int64_t J, int64_t NG>
+constexpr int64_t bf16_value_chunk() {
+  int64_t k = J;
+  while (k > 1 && 2 * NG * k + 2 * k + NG > 32) k /= 2;
+  return k;
+}
+
+// value_sum (below) for a bf16 cache, with AVX512-BF16 dot products over pairs of tokens: each vdpbf16ps adds
+// p_i v_i[d] + p_i+1 v_i+1[d] for 16 dims, the two rows interleaved 16 bits at a time. The probabilities are
+// rounded to bf16 first (relative error 2^-9, as the attention's bf16 output itself rounds; flash attention's
+// GPU kernels round P for the same product); the products are exact and summed in fp32. It halves the
+// instructions of the fp32 sum, which widens every V row and spends one multiply-add per value and head.
+template <int64_t D, int64_t NG>
+TOLLWAY_BF16_DOT void value_sum_bf16(TaskRows<BFloat16> t, const float* inv, float* acc) {
+  static_assert(D % 32 == 0, "32 bf16 values per vector");
+  constexpr int64_t J = D / 32, K = bf16_value_chunk<J, NG>();
+  const int64_t n_padded = (t.n + W - 1) / W * W;  // the softmax left zeros up to here: p_n = 0 pairs a lone last token
+  for (int64_t g = 0; g < NG; ++g) {
+    for (int64_t i = 0; i < n_padded; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.probs16 + g * t.L + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(t.s + g * t.L + i)));
+    }
+  }
+  alignas(64) static const BFloat16 zeros[D] = {};  // the row beside a lone last token (its p is 0)
+  for (int64_t d = 0; d < D; d += 32 * K) {
+    __m512 lo[NG][K], hi[NG][K];
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t j = 0; j < K; ++j) lo[g][j] = hi[g][j] = _mm512_setzero_ps();
+    }
+    const bool fetch_next = d == 0 && t.next_n > 0;
+    for (int64_t i = 0; i < t.n; i += 2) {
+      if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(i, t.next_n), std::min(i + 2, t.next_n), D * 2);
+      const BFloat16* r0 = t.vp + t.rows[i] + d;
+      const BFloat16* r1 = i + 1 < t.n ? t.vp + t.rows[i + 1] + d : zeros + d;
+      __m512bh p[NG];
+      for (int64_t g = 0; g < NG; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, t.probs16 + g * t.L + i, sizeof(pair));  // p_i in the low half, p_i+1 in the high
+        p[g] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < K; ++j) {
+        const __m512i a = _mm512_loadu_si512(r0 + 32 * j), b = _mm512_loadu_si512(r1 + 32 * j);
+        const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < NG; ++g) {
+          lo[g][j] = _mm512_dpbf16_ps(lo[g][j], p[g], ab_lo);
+          hi[g][j] = _mm512_dpbf16_ps(hi[g][j], p[g], ab_hi);
+        }
+      }
+    }
+    if (fetch_next) prefetch_rows(t.kp, t.next_rows, std::min(t.n + t.n % 2, t.next_n), t.next_n, D * 2);
+    // Lane q of lo holds dim 8 (q / 4) + q % 4 of its 32 (the unpack works within 128-bit lanes); of hi, 4 more.
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int64_t j = 0; j < K; ++j) {
+        alignas(64) float l[16], h[16];
+        _mm512_store_ps(l, _mm512_mul_ps(lo[g][j], _mm512_set1_ps(inv[g])));
+        _mm512_store_ps(h, _mm512_mul_ps(hi[g][j], _mm512_set1_ps(inv[g])));
+        float* out = acc + g * D + d + 32 * j;
+        for (int64_t q = 0; q < 16; ++q) {
+          out[8 * (q / 4) + q % 4] = l[q];
+          out[8 * (q / 4) + 4 + q % 4] = h[q];
+        }
+      }
+    }
+  }
+}
+
+// Sequence b's every KV head in one task (a bf16 cache on vdpbf16ps, G <= kHeadsPerPass, the heads' rows of a
+// token side by side): the score loop reads each token's whole record (K of every head, contiguous) and
+// prefetches whole V records ahead, so the hardware sees one sequential run per block instead of every
+// head's task striding over the same lines; then each head's softmax and V sum (from L2) as heads_pass does,
+// the V sums prefetching the next sequence's K rows. t.rows: head 0's rows; t.s: G * Hkv rows of L.
+template <int64_t D, int64_t NG>
+TOLLWAY_BF16_DOT void sequence_task(const DecodeGeometry& geo, const BFloat16* qp, BFloat16* op, int64_t b,
+                                    float fscale, TaskRows<BFloat16> t) {
+  const int64_t Hkv = geo.Hkv, record_bytes = Hkv * D * 2;
+  auto row = [&](int64_t token, int64_t h, int64_t j) {
+    return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + h * geo.cs2 + 32 * j);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= t.n; i += 4) {
+    prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, record_bytes);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const BFloat16* q = qp + geo.q_offset(b, h * NG);
+      __m512 a[NG][4];
+      for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < D / 32; ++j) {
+        const __m512bh k0 = row(i, h, j), k1 = row(i + 1, h, j), k2 = row(i + 2, h, j), k3 = row(i + 3, h, j);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < NG; ++g) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * geo.qs1 + 32 * j);
+          a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
+          a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
+          a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
+          a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+        }
+      }
+      float* s = t.s + h * NG * t.L;
+      for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), s + g * t.L + i);
+    }
+  }
+  for (; i < t.n; ++i) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const BFloat16* q = qp + geo.q_offset(b, h * NG);
+      for (int64_t g = 0; g < NG; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D / 32; ++j) {
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + g * geo.qs1 + 32 * j), row(i, h, j));
+        }
+        t.s[(h * NG + g) * t.L + i] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  const int64_t n_padded = (t.n + W - 1) / W * W;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    TaskRows<BFloat16> head = t;  // head h's rows are head 0's shifted by its offset in the record
+    head.kp += h * geo.cs2, head.vp += h * geo.cs2, head.s += h * NG * t.L;
+    float inv[NG];
+    for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place(head.s + g * t.L, t.n, n_padded, fscale);
+    alignas(64) float acc[NG * D];
+    value_sum_bf16<D, NG>(head, inv, acc);
+    for (int64_t g = 0; g < NG; ++g) store_floats(acc + g * D, op + geo.out_offset(b, h * NG + g), D);
+  }
+}
+
+// The op by sequence_task where it applies (else false): a task per sequence where there are enough of them
+// to share out over the threads; fewer (one stream, a few) keep a task per KV head (paged_decode.cpp).
+template <int64_t D>
+bool decode_by_sequence(const DecodeGeometry& geo, const BFloat16* qp, const BFloat16* kp, const BFloat16* vp,
+                        BFloat16* op, float fscale, int64_t window) {
+  const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
+  if (!(bf16_dot_available() && G <= kHeadsPerPass && geo.cs2 == D && geo.B >= 2 * at::get_num_threads())) {
+    return false;
+  }
+  at::parallel_for(0, geo.B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(Hkv * G * L);
+    std::vector<int64_t> rows(L), next_rows(L);  // head 0's rows of this sequence and of the thread's next
+    std::vector<BFloat16> probs16(G * L);
+    auto sequence_rows = [&](int64_t b, int64_t* into) {
+      const int64_t start = geo.start(b, window), n = geo.lens[b] - start;
+      geo.fill_rows(b, 0, start, n, into);
+      return n;
+    };
+    int64_t next_n = sequence_rows(begin, next_rows.data());
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = next_n;
+      rows.swap(next_rows);
+      next_n = b + 1 < end ? sequence_rows(b + 1, next_rows.data()) : 0;
+      const TaskRows<BFloat16> t{kp, vp, rows.data(), n, scores.data(), L, true, next_rows.data(), next_n,
+                                 nullptr, nullptr, probs16.data()};
+      switch (G) {
+        case 1: sequence_task<D, 1>(geo, qp, op, b, fscale, t); break;
+        case 2: sequence_task<D, 2>(geo, qp, op, b, fscale, t); break;
+        case 3: sequence_task<D, 3>(geo, qp, op, b, fscale, t); break;
+        case 4: sequence_task<D, 4>(geo, qp, op, b, fscale, t); break;
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace tollway_native
+#endif
