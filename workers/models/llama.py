@@ -205,11 +205,12 @@ class LlamaForCausalLM(nn.Module):
         The same refinement makes a quantized model's int8 head (workers/models/quantized_head.py)
         exact where it matters, in fp32 too.
         """
-        normed = self.norm(hidden)
+        unit = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps)  # self.norm's, shared with the exact
+        normed = self.norm.weight * unit.to(self.norm.weight.dtype)  # = self.norm(hidden)
         logits = self.lm_head(normed)
         if self.dtype == torch.float32 and not head_approximates(self.lm_head, normed.shape[0]):
             return logits.float()
-        exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps) * self.norm.weight.float()
+        exact_normed = unit * self.norm.weight.float()
         return refine_top(logits, self.lm_head.weight, exact_normed)  # workers/models/logits_refine.py
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
