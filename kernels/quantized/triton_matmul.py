@@ -14,9 +14,9 @@ never exists in memory), with an fp32 accumulator; the result is stored in x's d
 
 Any even group size dividing K works: scales are gathered per element by `column // group`, so
 a K tile may span several groups (BLOCK_K is a multiple of the group when the group is a power of
-two up to BLOCK_K). Tiles: decode (M <= 16) uses BLOCK_M = 16 (the smallest `tl.dot` tile) and
-a narrow BLOCK_N, so the work splits over N and each program streams long runs of K; prefill uses
-64-wide tiles. Neither is tuned on a GPU yet (no autotune; `blocks=` overrides).
+two up to BLOCK_K). Tiles (`choose_blocks`; `blocks=` overrides): int4 up to 32 rows takes the narrow
+tiles an H200 sweep picked; int8 and prefill keep the tiles chosen under the interpreter (decode:
+BLOCK_M = 16, the smallest `tl.dot` tile, a narrow BLOCK_N and long K runs; prefill: 64-wide tiles).
 
 Inputs live on x's device. Scales and mins may be fp32 (the layout's own), fp16 or bf16: the
 kernel widens them to fp32. `prepare_for_triton` puts a weight on the device, contiguous, with
@@ -50,19 +50,27 @@ class Blocks:
     stages: int = 3
 
 
-def choose_blocks(m: int, k: int, bits: int, group_size: int) -> Blocks:
-    """Decode: 16 rows (tl.dot's minimum), 32 output columns a program, long K tiles (128 bytes of
-    codes a row). Prefill: 64 x 64 tiles (32 x 64 up to M = 32). K tiles never exceed K's next
-    power of two, and hold whole groups where the group is a power of two up to that size."""
+def choose_blocks(m: int, n: int, k: int, bits: int, group_size: int) -> Blocks:
+    """int4 up to 32 rows (a decode step's): narrow tiles, 16 rows x 16 output columns (32 from 2,048
+    columns, with 32 rows where there are more than 16) x 64 of K (128 past 1,024), 2 stages: swept on an
+    H200 (`ops/bench/quant_tiles_gpu.py`, ops/bench/RESULTS.md), they took the default model's int4
+    linears from 16-33 us to 7-19 us a call. Otherwise (int8, and prefill) as chosen under the
+    interpreter, not yet swept: decode 16 rows, 32 columns, long K tiles (128 bytes of codes a row);
+    prefill 64 x 64 tiles (32 x 64 up to M = 32). K tiles never exceed K's next power of two, and hold
+    whole groups where the group is a power of two up to that size."""
     floor = 32 if bits == 4 else 16
-    if m <= DECODE_MAX_M:
-        block_m, block_n, block_k = 16, 32, 256 if bits == 4 else 128
+    warps, stages = 4, 3
+    if bits == 4 and m <= 32:
+        block_m = 32 if m > DECODE_MAX_M and n >= 2048 else 16
+        block_n, block_k, stages = (32 if n >= 2048 else 16), (64 if k <= 1024 else 128), 2
+    elif m <= DECODE_MAX_M:
+        block_m, block_n, block_k = 16, 32, 128
     else:
         block_m, block_n, block_k = (32 if m <= 32 else 64), 64, 64
     if group_size & (group_size - 1) == 0 and group_size <= 256:
         block_k = max(block_k, group_size)
     block_k = max(floor, min(block_k, triton.next_power_of_2(k)))
-    return Blocks(block_m, block_n, block_k)
+    return Blocks(block_m, block_n, block_k, warps, stages)
 
 
 @triton.jit
@@ -187,7 +195,7 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    tiles = blocks or choose_blocks(m, k, weight.bits, weight.group_size)
+    tiles = blocks or choose_blocks(m, n, k, weight.bits, weight.group_size)
     _check_blocks(tiles, weight.bits)
     grid = (triton.cdiv(m, tiles.m), triton.cdiv(n, tiles.n))
     bias_arg = bias.contiguous() if bias is not None else out  # `out` is never read: HAS_BIAS is off

@@ -123,12 +123,14 @@ def test_empty_batch_gives_an_empty_result() -> None:
 
 
 def test_block_choice_fits_decode_and_prefill() -> None:
-    decode = choose_blocks(1, 576, 4, 32)
-    assert (decode.m, decode.n, decode.k) == (16, 32, 256)
-    assert choose_blocks(1, 576, 8, 576).k == 128
-    assert choose_blocks(200, 576, 8, 576) == Blocks(64, 64, 64)
-    assert choose_blocks(20, 576, 4, 128).k == 128  # K tiles hold whole power-of-two groups
-    assert choose_blocks(1, 64, 4, 32).k == 64  # never past K's next power of two
+    assert choose_blocks(1, 960, 576, 4, 32) == Blocks(16, 16, 64, 4, 2)  # int4 decode: the H200 sweep's tiles
+    assert choose_blocks(32, 3072, 576, 4, 32) == Blocks(32, 32, 64, 4, 2)
+    assert choose_blocks(32, 576, 1536, 4, 32) == Blocks(16, 16, 128, 4, 2)
+    assert choose_blocks(1, 576, 576, 8, 576) == Blocks(16, 32, 128)
+    assert choose_blocks(200, 576, 576, 8, 576) == Blocks(64, 64, 64)
+    assert choose_blocks(20, 576, 576, 4, 128).k == 128  # K tiles hold whole power-of-two groups
+    assert choose_blocks(1, 576, 64, 4, 32).k == 64  # never past K's next power of two
+    assert choose_blocks(1, 576, 32, 4, 32).k == 32  # nor below int4's floor
 
 
 def test_bad_inputs_are_refused_with_clear_errors() -> None:
