@@ -28,7 +28,8 @@ constexpr int64_t value_chunk() {
 }
 
 // One (sequence, KV head) task's view of its rows: the context's n row offsets into the caches, and the
-// scores buffer (a row of L floats per query head of the pass).
+// scores buffer (a row of L floats per query head of the pass). A sequence task (paged_decode_bf16.h) holds
+// head 0's rows and shifts kp / vp by each head's offset in the token's record.
 template <typename C>
 struct TaskRows {
   const C* kp;
