@@ -15,35 +15,49 @@ namespace tollway_native {
 // The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
 // with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs
 // into 16 fp32 lanes, replacing the widening of every K row to fp32 and its two multiply-adds.
+// With `heads` > 1 (sequence_task), the same for that many KV heads, each token's rows of them read
+// together: KV head h's rows lie row_stride elements after head 0's (t.rows), its query heads follow
+// the ones before (q + h * NG * q_stride) and its scores too (t.s + h * NG * t.L).
 template <int64_t D, int64_t NG>
-TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t) {
+TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t, int64_t heads = 1,
+                                  int64_t row_stride = 0) {
   static_assert(D % 32 == 0, "32 bf16 values per vector");
-  auto row = [&](int64_t token, int64_t j) { return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + 32 * j); };
-  auto query = [&](int64_t g, int64_t j) { return (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * j); };
+  auto row = [&](int64_t token, int64_t h, int64_t j) {
+    return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + h * row_stride + 32 * j);
+  };
+  auto query = [&](int64_t h, int64_t g, int64_t j) {
+    return (__m512bh)_mm512_loadu_si512(q + (h * NG + g) * q_stride + 32 * j);
+  };
+  const int64_t fetched_bytes = ((heads - 1) * row_stride + D) * 2;  // head 0's row to the last head's end
   int64_t i = 0;
   for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, D * 2);
-    __m512 a[NG][4];
-    for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, fetched_bytes);
+    for (int64_t h = 0; h < heads; ++h) {
+      __m512 a[NG][4];
+      for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < D / 32; ++j) {
-      const __m512bh k0 = row(i, j), k1 = row(i + 1, j), k2 = row(i + 2, j), k3 = row(i + 3, j);
+      for (int64_t j = 0; j < D / 32; ++j) {
+        const __m512bh k0 = row(i, h, j), k1 = row(i + 1, h, j), k2 = row(i + 2, h, j), k3 = row(i + 3, h, j);
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < NG; ++g) {
-        const __m512bh qv = query(g, j);
-        a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
-        a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
-        a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
-        a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+        for (int64_t g = 0; g < NG; ++g) {
+          const __m512bh qv = query(h, g, j);
+          a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
+          a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
+          a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
+          a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+        }
       }
+      float* s = t.s + h * NG * t.L;
+      for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), s + g * t.L + i);
     }
-    for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), t.s + g * t.L + i);
   }
   for (; i < t.n; ++i) {
-    for (int64_t g = 0; g < NG; ++g) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, query(g, j), row(i, j));
-      t.s[g * t.L + i] = _mm512_reduce_add_ps(a);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t g = 0; g < NG; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, query(h, g, j), row(i, h, j));
+        t.s[(h * NG + g) * t.L + i] = _mm512_reduce_add_ps(a);
+      }
     }
   }
 }
@@ -126,45 +140,8 @@ TOLLWAY_BF16_DOT void value_sum_bf16(TaskRows<BFloat16> t, const float* inv, flo
 template <int64_t D, int64_t NG>
 TOLLWAY_BF16_DOT void sequence_task(const DecodeGeometry& geo, const BFloat16* qp, BFloat16* op, int64_t b,
                                     float fscale, TaskRows<BFloat16> t) {
-  const int64_t Hkv = geo.Hkv, record_bytes = Hkv * D * 2;
-  auto row = [&](int64_t token, int64_t h, int64_t j) {
-    return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + h * geo.cs2 + 32 * j);
-  };
-  int64_t i = 0;
-  for (; i + 4 <= t.n; i += 4) {
-    prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, record_bytes);
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const BFloat16* q = qp + geo.q_offset(b, h * NG);
-      __m512 a[NG][4];
-      for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int64_t j = 0; j < D / 32; ++j) {
-        const __m512bh k0 = row(i, h, j), k1 = row(i + 1, h, j), k2 = row(i + 2, h, j), k3 = row(i + 3, h, j);
-#pragma GCC unroll 8
-        for (int64_t g = 0; g < NG; ++g) {
-          const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * geo.qs1 + 32 * j);
-          a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
-          a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
-          a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
-          a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
-        }
-      }
-      float* s = t.s + h * NG * t.L;
-      for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), s + g * t.L + i);
-    }
-  }
-  for (; i < t.n; ++i) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const BFloat16* q = qp + geo.q_offset(b, h * NG);
-      for (int64_t g = 0; g < NG; ++g) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = 0; j < D / 32; ++j) {
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + g * geo.qs1 + 32 * j), row(i, h, j));
-        }
-        t.s[(h * NG + g) * t.L + i] = _mm512_reduce_add_ps(a);
-      }
-    }
-  }
+  const int64_t Hkv = geo.Hkv;
+  scores_bf16<D, NG>(qp + geo.q_offset(b, 0), geo.qs1, t, Hkv, geo.cs2);
   const int64_t n_padded = (t.n + W - 1) / W * W;
   for (int64_t h = 0; h < Hkv; ++h) {
     TaskRows<BFloat16> head = t;  // head h's rows are head 0's shifted by its offset in the record
