@@ -35,6 +35,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("quant_tiles_gpu: no CUDA device: not measured (run it on a GPU machine).")
         return 0
+    import triton
+
     from kernels.quantized.layout import dequantize, quantize_int4
     from kernels.quantized.triton_matmul import Blocks, choose_blocks, prepare_for_triton, quantized_matmul
 
@@ -54,7 +56,7 @@ def main() -> int:
             timed: list[tuple[float, Blocks]] = []
             block_ms = (16,) if m <= 16 else (16, 32)
             for bm, bn, bk, warps, stages in itertools.product(block_ms, SWEEP_N, SWEEP_K, SWEEP_WARPS, SWEEP_STAGES):
-                if bk > triton_next_power_of_2(k):
+                if bk > triton.next_power_of_2(k):
                     continue
                 tile = Blocks(bm, bn, bk, warps, stages)
                 op = functools.partial(quantized_matmul, x, q, blocks=tile)
@@ -77,10 +79,6 @@ def main() -> int:
                   + ", ".join(f"{t:.1f} (m{b.m} n{b.n} k{b.k} w{b.warps} s{b.stages})" for t, b in timed[1:4]),
                   flush=True)
     return 0
-
-
-def triton_next_power_of_2(value: int) -> int:
-    return 1 << (value - 1).bit_length()
 
 
 if __name__ == "__main__":

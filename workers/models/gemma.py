@@ -29,9 +29,8 @@ from workers.models.rope import RotaryTable, apply_rotary
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight): the stored weight is the offset from 1."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
-        return normed.to(self.weight.dtype)
+    def weigh(self, unit: torch.Tensor) -> torch.Tensor:
+        return (unit * (1.0 + self.weight.float())).to(self.weight.dtype)
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -109,12 +108,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, tanh-capped when the config says so. As in LlamaForCausalLM.logits, with
         bf16 weights the REFINED_TOP largest of each row are recomputed in fp32 (Gemma's norm)."""
-        logits = self.lm_head(self.norm(hidden))
+        unit = self.norm.unit(hidden)  # shared by the head's input and the exact rows below
+        logits = self.lm_head(self.norm.weigh(unit))
         if self.dtype == torch.float32:
             logits = logits.float()
         else:
-            norm = self.norm
-            exact_normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=norm.eps) * (1.0 + norm.weight.float())
+            exact_normed = unit * (1.0 + self.norm.weight.float())
             logits = refine_top(logits, self.lm_head.weight, exact_normed)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

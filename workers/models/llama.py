@@ -52,8 +52,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(self.weight.dtype)
+        return self.weigh(self.unit(x))
+
+    def unit(self, x: torch.Tensor) -> torch.Tensor:
+        """x scaled to unit RMS, in fp32 (before the weight)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+
+    def weigh(self, unit: torch.Tensor) -> torch.Tensor:
+        """The weight times `unit` rounded to the weight's dtype: forward's result."""
+        return self.weight * unit.to(self.weight.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -205,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
         The same refinement makes a quantized model's int8 head (workers/models/quantized_head.py)
         exact where it matters, in fp32 too.
         """
-        unit = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.norm.eps)  # self.norm's, shared with the exact
-        normed = self.norm.weight * unit.to(self.norm.weight.dtype)  # = self.norm(hidden)
+        unit = self.norm.unit(hidden)  # shared by the head's input and the exact rows below
+        normed = self.norm.weigh(unit)
         logits = self.lm_head(normed)
         if self.dtype == torch.float32 and not head_approximates(self.lm_head, normed.shape[0]):
             return logits.float()
