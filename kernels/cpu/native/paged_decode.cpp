@@ -141,7 +141,7 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
   }
   const int64_t n_padded = (t.n + W - 1) / W * W;
   float inv[NG];
-  for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place(t.s + g * t.L, t.n, n_padded, fscale);
+  for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place<std::is_same_v<T, BFloat16>>(t.s + g * t.L, t.n, n_padded, fscale);
   if constexpr (std::is_same_v<C, int8_t>) {  // the V sum reads codes: fold each row's scale into p
     for (int64_t g = 0; g < NG; ++g) {
       for (int64_t i = 0; i < t.n; ++i) t.s[g * t.L + i] *= t.v_scales[i];

@@ -12,16 +12,38 @@
 #if defined(CPU_CAPABILITY_AVX512)
 namespace tollway_native {
 
+// out[t] = the sum of a[t]'s 16 lanes, t < 8: three rounds of 128-bit-lane shuffles and adds, 3 instructions
+// a token where reduce4's extracts and hadds took 5 (the score loop's largest cost after its dot products).
+TOLLWAY_BF16_DOT inline void reduce8(const __m512 a[8], float* out) {
+  __m512 pair[4];  // pair[p]: tokens 2p and 2p+1, 8 partial sums each (lanes 0-1 and 2-3 of 128 bits)
+  for (int64_t p = 0; p < 4; ++p) {
+    pair[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                            _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
+  }
+  // quad[0]: 128-bit lane k holds token k's 4 partial sums; quad[1] token k + 4's.
+  const __m512 quad0 = _mm512_add_ps(_mm512_shuffle_f32x4(pair[0], pair[1], 0x88),
+                                     _mm512_shuffle_f32x4(pair[0], pair[1], 0xdd));
+  const __m512 quad1 = _mm512_add_ps(_mm512_shuffle_f32x4(pair[2], pair[3], 0x88),
+                                     _mm512_shuffle_f32x4(pair[2], pair[3], 0xdd));
+  // Lane k: [k 0+2, k+4 0+2, k 1+3, k+4 1+3], then + its halves swapped: [k, k+4, k, k+4] whole.
+  const __m512 mixed = _mm512_add_ps(_mm512_unpacklo_ps(quad0, quad1), _mm512_unpackhi_ps(quad0, quad1));
+  const __m512 sums = _mm512_add_ps(mixed, _mm512_permute_ps(mixed, 0x4e));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums)));
+}
+
 // The scores of NG query heads (q: head g's D values at q + g * q_stride), bf16 against a bf16 cache,
 // with AVX512-BF16 dot products: each vdpbf16ps multiplies 32 bf16 pairs exactly and sums them in pairs
 // into 16 fp32 lanes, replacing the widening of every K row to fp32 and its two multiply-adds.
 // With `heads` > 1 (sequence_task), the same for that many KV heads, each token's rows of them read
 // together: KV head h's rows lie row_stride elements after head 0's (t.rows), its query heads follow
 // the ones before (q + h * NG * q_stride) and its scores too (t.s + h * NG * t.L).
+// Eight tokens a pass where their NG x 8 accumulators fit the registers (reduce8), else four (reduce4).
 template <int64_t D, int64_t NG>
 TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<BFloat16> t, int64_t heads = 1,
                                   int64_t row_stride = 0) {
   static_assert(D % 32 == 0, "32 bf16 values per vector");
+  constexpr int64_t T = NG <= 3 ? 8 : 4;  // tokens a pass: NG * T accumulators, NG queries and a row <= 32
   auto row = [&](int64_t token, int64_t h, int64_t j) {
     return (__m512bh)_mm512_loadu_si512(t.kp + t.rows[token] + h * row_stride + 32 * j);
   };
@@ -30,25 +52,34 @@ TOLLWAY_BF16_DOT void scores_bf16(const BFloat16* q, int64_t q_stride, TaskRows<
   };
   const int64_t fetched_bytes = ((heads - 1) * row_stride + D) * 2;  // head 0's row to the last head's end
   int64_t i = 0;
-  for (; i + 4 <= t.n; i += 4) {
-    if (t.prefetch) prefetch_ahead(t.kp, t.vp, t.rows, i, t.n, fetched_bytes);
+  for (; i + T <= t.n; i += T) {
+    if (t.prefetch) {
+      for (int64_t u = 0; u < T; u += 4) prefetch_ahead(t.kp, t.vp, t.rows, i + u, t.n, fetched_bytes);
+    }
     for (int64_t h = 0; h < heads; ++h) {
-      __m512 a[NG][4];
-      for (int64_t g = 0; g < NG; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+      __m512 a[NG][T];
+      for (int64_t g = 0; g < NG; ++g) {
+        for (int64_t u = 0; u < T; ++u) a[g][u] = _mm512_setzero_ps();
+      }
 #pragma GCC unroll 8
       for (int64_t j = 0; j < D / 32; ++j) {
-        const __m512bh k0 = row(i, h, j), k1 = row(i + 1, h, j), k2 = row(i + 2, h, j), k3 = row(i + 3, h, j);
+        __m512bh qv[NG];
+        for (int64_t g = 0; g < NG; ++g) qv[g] = query(h, g, j);
 #pragma GCC unroll 8
-        for (int64_t g = 0; g < NG; ++g) {
-          const __m512bh qv = query(h, g, j);
-          a[g][0] = _mm512_dpbf16_ps(a[g][0], qv, k0);
-          a[g][1] = _mm512_dpbf16_ps(a[g][1], qv, k1);
-          a[g][2] = _mm512_dpbf16_ps(a[g][2], qv, k2);
-          a[g][3] = _mm512_dpbf16_ps(a[g][3], qv, k3);
+        for (int64_t u = 0; u < T; ++u) {
+          const __m512bh k = row(i + u, h, j);
+#pragma GCC unroll 8
+          for (int64_t g = 0; g < NG; ++g) a[g][u] = _mm512_dpbf16_ps(a[g][u], qv[g], k);
         }
       }
       float* s = t.s + h * NG * t.L;
-      for (int64_t g = 0; g < NG; ++g) reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), s + g * t.L + i);
+      for (int64_t g = 0; g < NG; ++g) {
+        if constexpr (T == 8) {
+          reduce8(a[g], s + g * t.L + i);
+        } else {
+          reduce4(Vec(a[g][0]), Vec(a[g][1]), Vec(a[g][2]), Vec(a[g][3]), s + g * t.L + i);
+        }
+      }
     }
   }
   for (; i < t.n; ++i) {
@@ -147,7 +178,7 @@ TOLLWAY_BF16_DOT void sequence_task(const DecodeGeometry& geo, const BFloat16* q
     TaskRows<BFloat16> head = t;  // head h's rows are head 0's shifted by its offset in the record
     head.kp += h * geo.cs2, head.vp += h * geo.cs2, head.s += h * NG * t.L;
     float inv[NG];
-    for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place(head.s + g * t.L, t.n, n_padded, fscale);
+    for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place<true>(head.s + g * t.L, t.n, n_padded, fscale);
     alignas(64) float acc[NG * D];
     value_sum_bf16<D, NG>(head, inv, acc);
     for (int64_t g = 0; g < NG; ++g) store_floats(acc + g * D, op + geo.out_offset(b, h * NG + g), D);
