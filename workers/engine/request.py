@@ -117,6 +117,15 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a decode step's runner wants one id of each)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
     @property
     def is_prefilling(self) -> bool:
         return self.computed_len < self.total_len - 1

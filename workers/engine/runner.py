@@ -78,7 +78,10 @@ class ModelRunner:
         for row, (seq, n, samples, draft) in enumerate(zip(batch.seqs, batch.num_new, batch.samples, batch.drafts,
                                                            strict=True)):
             end = seq.computed_len + n
-            tokens.extend((seq.all_ids + draft if draft else seq.all_ids)[seq.computed_len : end])
+            if draft:
+                tokens.extend((seq.all_ids + draft)[seq.computed_len : end])
+            else:
+                tokens.extend(seq.ids_between(seq.computed_len, end))
             if end == seq.total_len and seq.output_ids and seq.output_ids[-1] == PENDING_TOKEN:
                 if pending is None:
                     raise RuntimeError("a pending token reached a step that has no pending tokens")
