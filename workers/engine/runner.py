@@ -93,11 +93,15 @@ class ModelRunner:
             if samples:
                 sampling_rows.append(row)
         device = self.model.device
-        block_tables = self.table_rows.gather([table.groups[0] for table in tables])
-        meta = self._decode_rows(batch, block_tables) if batch.has_drafts else None
-        if meta is None:
-            meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, block_tables,
-                                                      self.kv.block_size, backend=self.backend)
+        if len(tokens) == len(tables) and self.kv.layout.num_groups == 1:  # every sequence decodes one token
+            meta = self.table_rows.decode_metadata([table.groups[0] for table in tables], context_lens,
+                                                   self.kv.block_size, self.backend)
+        else:
+            block_tables = self.table_rows.gather([table.groups[0] for table in tables])
+            meta = self._decode_rows(batch, block_tables) if batch.has_drafts else None
+            if meta is None:
+                meta = PagedAttentionMetadata.from_tables(batch.num_new, context_lens, block_tables,
+                                                          self.kv.block_size, backend=self.backend)
         for group in range(1, self.kv.layout.num_groups):  # the other layer groups' pages
             meta.other_groups.append(meta.with_tables(self.table_rows.gather([t.groups[group] for t in tables])))
         if batch.has_drafts:  # the flat token order is the same with or without decode rows

@@ -1,4 +1,4 @@
-"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `layer_stack.cpp`, `head_ops.cpp`,
+"""The native CPU backend: C++ ops (`paged_decode.cpp`, `layer_ops.cpp`, `layer_stack.cpp`, `head_ops.cpp`, `decode_metadata.cpp`,
 `quantized_matmul.cpp`, `quantized_q8.cpp` with its two kernels, one library defined by `tollway_cpu.cpp`, built by `build.py`) that
 read the paged K/V cache in place, the fused small ops of the decode step and quantized matmuls.
 
@@ -30,6 +30,9 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
   dequantized once into bf16 and every row of x multiplied by it on AVX512-BF16 (`quantized_tiles.cpp`; where
   `tile_matmul_available()`), from the row kernels' crossover on.
 
+- `decode_metadata(rows [R, W] int32, row_index, context_lens, width, block_size) -> (block_tables,
+  context_lens, positions, slot_mapping, query_start)`: an all-decode step's paged-attention metadata from
+  the persistent block-table rows (`decode_metadata.cpp`; workers/engine/table_rows.py).
 - `decode_layers(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, tensors, ints,
   floats, Hq, Hkv, D)`: an all-decode step's decoder stack in one call, the ops above in the order of
   workers/models/fused_decode.py's loop and each projection's kernel (plain, MKL/oneDNN packed, the quantized

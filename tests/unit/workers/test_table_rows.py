@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
+from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from workers.engine.table_rows import BlockTableRows
 
@@ -70,3 +72,29 @@ def test_from_tables_equals_build_for_mixed_steps() -> None:
         assert torch.equal(getattr(fast, name), getattr(built, name)), name
     assert fast.num_decodes == built.num_decodes == 2
     assert fast.block_tables_list == [[7, 9, 4], [2], [5], [1, 3, 8, 6]]
+
+
+@pytest.mark.parametrize("native_ops", [True, False])
+def test_decode_metadata_equals_from_tables_over_the_gathered_rows(native_ops: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if native_ops and not native.load():
+        pytest.skip(f"native ops unavailable: {native.unavailable_reason()}")
+    if not native_ops:
+        monkeypatch.setattr(native, "is_loaded", lambda: False)  # the torch fallback (a GPU's rows take it)
+    pool = BlockPool(200, 4)
+    mirror = BlockTableRows(rows=2, width=2)
+    tables = [BlockTable(pool) for _ in range(4)]
+    for table, n in zip(tables, (3, 9, 14, 4), strict=True):
+        table.append(n)
+    mirror.gather(tables[1:3])  # rows taken in another order than the step's
+    context_lens = [3, 9, 14, 4]  # the newest token is the last slot held: in the last block, and a full one
+    got = mirror.decode_metadata(tables, context_lens, 4, "native")
+    expected = PagedAttentionMetadata.from_tables([1] * 4, context_lens, mirror.gather(tables), 4, backend="native")
+    for name in ("query_start", "context_lens", "block_tables", "slot_mapping", "positions"):
+        value, want = getattr(got, name), getattr(expected, name)
+        assert value.dtype == want.dtype and torch.equal(value, want), name
+    assert (got.num_decodes, got.query_lens_list, got.context_lens_list, got.backend) == (4, [1] * 4, context_lens,
+                                                                                          "native")
+    if native_ops:
+        with pytest.raises(RuntimeError, match="does not fit"):
+            mirror.decode_metadata(tables, [3, 9, 17, 4], 4, None)
