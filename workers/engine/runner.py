@@ -93,6 +93,7 @@ class ModelRunner:
             if samples:
                 sampling_rows.append(row)
         device = self.model.device
+        meta: PagedAttentionMetadata | None
         if len(tokens) == len(tables) and self.kv.layout.num_groups == 1:  # every sequence decodes one token
             meta = self.table_rows.decode_metadata([table.groups[0] for table in tables], context_lens,
                                                    self.kv.block_size, self.backend)
