@@ -105,8 +105,11 @@ class ModelRunner:
                                                           self.kv.block_size, backend=self.backend)
         for group in range(1, self.kv.layout.num_groups):  # the other layer groups' pages
             meta.other_groups.append(meta.with_tables(self.table_rows.gather([t.groups[group] for t in tables])))
+        wanted: torch.Tensor | None
         if batch.has_drafts:  # the flat token order is the same with or without decode rows
             wanted = _draft_rows(batch, sampling_rows, device)
+        elif len(sampling_rows) == len(tokens) and self.graphs is None:
+            wanted = None  # one token per sequence, every one sampling: all the rows, in order (no gather)
         else:
             last_token = (meta.query_start[1:] - 1).long()
             wanted = last_token[to_device(sampling_rows, torch.long, device)]
@@ -119,9 +122,10 @@ class ModelRunner:
         if spans:  # the hidden states of every prompt position asked for, reduced slice by slice
             hidden = self.model.hidden_states(input_ids, self.kv, meta)
             with torch.inference_mode():
-                logits = self.model.logits(hidden[wanted])
+                logits = self.model.logits(hidden if wanted is None else hidden[wanted])
             return StepOutput(logits, prompt_logprobs.compute(self.model, hidden, spans))
         if self.graphs is not None:
+            assert wanted is not None
             graph_logits = self.graphs.run(input_ids, meta, wanted)
             if graph_logits is not None:
                 return StepOutput(graph_logits)
