@@ -19,8 +19,9 @@ step then runs the Python loop.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,14 +53,22 @@ class LayerPlan:
     floats: list[float]
     heads: tuple[int, int, int]
     """(query heads, KV heads, head dim)."""
+    handle: int = field(init=False)
+    """The library's copy of the lists (`__post_init__`)."""
+
+    def __post_init__(self) -> None:
+        # The lists held by the library under a handle (layer_stack.cpp `register_layer_plan`): a step passes
+        # the handle, not ~900 entries to parse; released with the plan.
+        handle = torch.ops.tollway_cpu.register_layer_plan(self.tensors, self.ints, self.floats, *self.heads)
+        object.__setattr__(self, "handle", handle)
+        weakref.finalize(self, torch.ops.tollway_cpu.release_layer_plan, handle)
 
     def run(self, residual: torch.Tensor, kv: KVStorage, cos: torch.Tensor, sin: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """The decoder stack on `residual` [N, H] fp32 (updated in place), writing each layer's K/V."""
-        torch.ops.tollway_cpu.decode_layers(
+        torch.ops.tollway_cpu.decode_planned(
             residual, cos, sin, slot_mapping, block_tables, context_lens,
-            [kv.keys[i] for i in self.layer_indices], [kv.values[i] for i in self.layer_indices],
-            self.tensors, self.ints, self.floats, *self.heads)
+            [kv.keys[i] for i in self.layer_indices], [kv.values[i] for i in self.layer_indices], self.handle)
 
 
 def linear_call(module: torch.nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -19,7 +19,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -141,19 +144,72 @@ void decode_layers(at::Tensor residual, const at::Tensor& cos, const at::Tensor&
   }
 }
 
+// ---- plans kept here ---------------------------------------------------------------------------------
+// A plan's lists (~900 entries for the default model) were parsed from Python objects on every step: ~60 us,
+// ~250 us right after a step had streamed its weights and K/V through the caches. register_layer_plan keeps
+// them here under a handle (workers/models/layer_plan.py registers a plan once and releases it when the plan
+// is collected); decode_planned runs decode_layers with them. Handles are process-wide, under one mutex.
+struct StoredPlan {
+  c10::List<std::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  int64_t num_q_heads, num_kv_heads, head_dim;
+};
+
+std::mutex plans_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const StoredPlan>> stored_plans;
+int64_t next_plan = 1;
+
+int64_t register_layer_plan(const c10::List<std::optional<at::Tensor>>& tensors, c10::IntArrayRef ints,
+                            c10::ArrayRef<double> floats, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim) {
+  auto plan = std::make_shared<const StoredPlan>(StoredPlan{tensors.copy(), ints.vec(), floats.vec(), num_q_heads,
+                                                           num_kv_heads, head_dim});
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  stored_plans.emplace(next_plan, std::move(plan));
+  return next_plan++;
+}
+
+void release_layer_plan(int64_t handle) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  stored_plans.erase(handle);
+}
+
+void decode_planned(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
+                    at::TensorList v_caches, int64_t handle) {
+  std::shared_ptr<const StoredPlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    const auto found = stored_plans.find(handle);
+    TORCH_CHECK(found != stored_plans.end(), "decode_planned: no layer plan ", handle);
+    plan = found->second;
+  }
+  decode_layers(std::move(residual), cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches,
+                plan->tensors, plan->ints, plan->floats, plan->num_q_heads, plan->num_kv_heads, plan->head_dim);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
   m.def("decode_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor?[] tensors, int[] ints, "
         "float[] floats, int num_q_heads, int num_kv_heads, int head_dim) -> ()");
+  m.def("register_layer_plan(Tensor?[] tensors, int[] ints, float[] floats, int num_q_heads, int num_kv_heads, "
+        "int head_dim) -> int");
+  m.def("release_layer_plan(int handle) -> ()");
+  m.def("decode_planned(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int handle) -> ()");
+  m.impl("release_layer_plan", &release_layer_plan);  // no tensor argument: no dispatch key to pick an impl by
 }
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
+  m.impl("register_layer_plan", &register_layer_plan);
+  m.impl("decode_planned", &decode_planned);
 }
 
 // MKL's packed fp32 weights are MkldnnCPU tensors: a plan holding them dispatches there.
 TORCH_LIBRARY_IMPL(tollway_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
+  m.impl("register_layer_plan", &register_layer_plan);
 }

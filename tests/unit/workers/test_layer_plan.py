@@ -6,6 +6,7 @@ Needs the native library (tests/required.py: skipped locally without a compiler,
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kernels.metadata import PagedAttentionMetadata
 from kernels.quantized import cpu as quantized_cpu
 from tests.required import unavailable
 from workers.models import fused_decode, quantized_linear
-from workers.models.layer_plan import PROJECTIONS, LayerPlan, plan_for
+from workers.models.layer_plan import PROJECTIONS, LayerPlan, build_plan, plan_for
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.packed_linear import pack_linears, packing_kind
@@ -120,3 +121,18 @@ def projection_kinds(plan: LayerPlan) -> list[int]:
     """Each projection's kind: per layer the ints are the window, then (kind, int, int) per projection."""
     per_layer = 1 + 3 * len(PROJECTIONS)
     return [plan.ints[start + 1 + 3 * p] for start in range(0, len(plan.ints), per_layer) for p in range(len(PROJECTIONS))]
+
+
+def test_a_collected_plan_releases_its_lists_in_the_library(tmp_path: Path) -> None:
+    model = model_for(tmp_path, torch.float32, "none", "int8", None)
+    plan = build_plan(model, 2)
+    assert plan is not None
+    handle, other = plan.handle, build_plan(model, 2)
+    assert other is not None and other.handle != handle  # each plan its own lists
+    residual = torch.zeros(2, model.config.hidden_size)
+    del plan
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no layer plan"):
+        torch.ops.tollway_cpu.decode_planned(residual, residual, residual, torch.zeros(2, dtype=torch.long),
+                                             torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                                             [], [], handle)
