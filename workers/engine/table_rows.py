@@ -39,8 +39,7 @@ class BlockTableRows:
 
     def gather(self, tables: Sequence[BlockTable]) -> torch.Tensor:
         """The tables' rows, in order, as a fresh int32 tensor [len(tables), max blocks among them]."""
-        indices = [self._sync(table) for table in tables]
-        width = max(len(t.block_ids) for t in tables)
+        indices, width = self._synced(tables)
         index = to_device(indices, torch.int64, self.rows.device)
         return self.rows[:, :width].index_select(0, index)
 
@@ -52,14 +51,17 @@ class BlockTableRows:
         if self.rows.device.type != "cpu" or not native.is_loaded():
             return PagedAttentionMetadata.from_tables([1] * len(tables), context_lens, self.gather(tables),
                                                       block_size, backend=backend)
-        indices = [self._sync(table) for table in tables]
-        width = max(len(t.block_ids) for t in tables)
+        indices, width = self._synced(tables)
         block_tables, lens, positions, slots, query_start = torch.ops.tollway_cpu.decode_metadata(
             self.rows, indices, context_lens, width, block_size)
         return PagedAttentionMetadata(query_start=query_start, context_lens=lens, block_tables=block_tables,
                                       slot_mapping=slots, positions=positions, block_size=block_size,
                                       num_decodes=len(tables), query_lens_list=[1] * len(tables),
                                       context_lens_list=context_lens, backend=backend)
+
+    def _synced(self, tables: Sequence[BlockTable]) -> tuple[list[int], int]:
+        """The tables' row indices (each row brought up to date) and the widest table's block count."""
+        return [self._sync(table) for table in tables], max(len(t.block_ids) for t in tables)
 
     def _sync(self, table: BlockTable) -> int:
         mirror = self._mirrors.get(table)

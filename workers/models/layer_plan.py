@@ -1,5 +1,5 @@
 """The decoder stack of a step whose tokens all attend as decode rows (decode steps, and mixed steps of short
-contexts: workers/models/fused_decode.py) as one native call: the plan `torch.ops.tollway_cpu.decode_layers`
+contexts: workers/models/fused_decode.py) as one native call: the plan `torch.ops.tollway_cpu.decode_planned`
 (kernels/cpu/native/layer_stack.cpp) runs, built once per model and row count.
 
 The fused decode step (workers/models/fused_decode.py) calls ~9 ops per layer from Python, each with

@@ -33,10 +33,11 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `decode_metadata(rows [R, W] int32, row_index, context_lens, width, block_size) -> (block_tables,
   context_lens, positions, slot_mapping, query_start)`: an all-decode step's paged-attention metadata from
   the persistent block-table rows (`decode_metadata.cpp`; workers/engine/table_rows.py).
-- `decode_layers(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, tensors, ints,
-  floats, Hq, Hkv, D)`: an all-decode step's decoder stack in one call, the ops above in the order of
-  workers/models/fused_decode.py's loop and each projection's kernel (plain, MKL/oneDNN packed, the quantized
-  row kernels) called from C++, from the flat plan workers/models/layer_plan.py builds (`layer_stack.cpp`).
+- `register_layer_plan(tensors, ints, floats, Hq, Hkv, D) -> handle`, `release_layer_plan(handle)` and
+  `decode_planned(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, handle)`: an
+  all-decode step's decoder stack in one call, the ops above in the order of workers/models/fused_decode.py's loop
+  and each projection's kernel (plain, MKL/oneDNN packed, the quantized row kernels) called from C++, from the
+  flat plan workers/models/layer_plan.py builds and registers once (`layer_stack.cpp`).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;
 extends (prefill chunks) run on the torch CPU path.

@@ -1,5 +1,6 @@
-// torch.ops.tollway_cpu.decode_layers: the whole decoder stack of a step whose tokens all attend as decode rows
-// (token i over block_tables[i] up to context_lens[i]), in one call.
+// torch.ops.tollway_cpu.decode_planned (with register_layer_plan / release_layer_plan): the whole decoder stack
+// of a step whose tokens all attend as decode rows (token i over block_tables[i] up to context_lens[i]), in one
+// call; `decode_layers` below does it from a plan's lists.
 //
 // The same ops, in the same order and with the same arguments, as the Python loop of
 // workers/models/fused_decode.py (`_layers` with paged_decode attention): per layer the four projections,
@@ -14,7 +15,7 @@
 //   ints:    kIntsPerLayer per layer: the sliding window (0: none), then per projection its kind and two ints;
 //   floats:  kFloatsPerLayer per layer: the attention scale, the input norm's eps, the post-attention norm's eps.
 // A projection's kind (ProjectionKind below) says which op runs it. Both sides must agree on these layouts:
-// tests/unit/kernels/test_layer_stack.py compares this op's step with the Python loop's for every kind.
+// tests/unit/workers/test_layer_plan.py compares this op's step with the Python loop's for every kind.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -191,9 +192,6 @@ void decode_planned(at::Tensor residual, const at::Tensor& cos, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
-  m.def("decode_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor?[] tensors, int[] ints, "
-        "float[] floats, int num_q_heads, int num_kv_heads, int head_dim) -> ()");
   m.def("register_layer_plan(Tensor?[] tensors, int[] ints, float[] floats, int num_q_heads, int num_kv_heads, "
         "int head_dim) -> int");
   m.def("release_layer_plan(int handle) -> ()");
@@ -203,13 +201,11 @@ TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
-  m.impl("decode_layers", &decode_layers);
   m.impl("register_layer_plan", &register_layer_plan);
   m.impl("decode_planned", &decode_planned);
 }
 
 // MKL's packed fp32 weights are MkldnnCPU tensors: a plan holding them dispatches there.
 TORCH_LIBRARY_IMPL(tollway_cpu, MkldnnCPU, m) {
-  m.impl("decode_layers", &decode_layers);
   m.impl("register_layer_plan", &register_layer_plan);
 }

@@ -12,6 +12,7 @@ from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
+from tests.required import unavailable
 from workers.engine.table_rows import BlockTableRows
 
 
@@ -78,7 +79,7 @@ def test_from_tables_equals_build_for_mixed_steps() -> None:
 def test_decode_metadata_equals_from_tables_over_the_gathered_rows(native_ops: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     if native_ops and not native.load():
-        pytest.skip(f"native ops unavailable: {native.unavailable_reason()}")
+        unavailable(f"native ops unavailable: {native.unavailable_reason()}")
     if not native_ops:
         monkeypatch.setattr(native, "is_loaded", lambda: False)  # the torch fallback (a GPU's rows take it)
     pool = BlockPool(200, 4)
