@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
 from accounting.usage import UsageRecord
@@ -45,6 +45,8 @@ _Item: TypeAlias = tuple[UsageRecord, Waiter]
 """A queued record and who waits for it: submit()'s future, or write()'s future on its event loop."""
 _BAD_ROW_ERRORS = (IntegrityError, DataError)
 """Errors that condemn a row, not the database: retrying cannot help, so they are not spooled."""
+_IDLE_CONNECTION_S = 30.0
+"""A writer connection unused this long is closed and a fresh one checked out (pinged) instead."""
 
 
 @dataclass
@@ -92,6 +94,9 @@ class UsageWriter:
         # request_id → the response to store in the same transaction as its row (see StoredResponse).
         # Filled by callers before queueing, drained by the writer thread; dict ops are atomic.
         self._responses: dict[str, StoredResponse] = {}
+        # The writer thread's own connection (see _writer_connection); only that thread touches it.
+        self._connection: Connection | None = None
+        self._connection_used_at = 0.0
 
     def spooled(self) -> list[UsageRecord]:
         """Rows in the spool (durable, perhaps not committed yet), read from any thread."""
@@ -170,6 +175,7 @@ class UsageWriter:
             log.exception("the usage writer thread failed")
             raise
         finally:
+            self._close_connection()
             with self._state_lock:
                 self._closed = True
             # Only after a crash can anything be left; its callers must not wait forever.
@@ -228,16 +234,43 @@ class UsageWriter:
         """Insert `records` in one transaction (the only place that writes to the database)."""
         started = time.perf_counter()
         stored = [r for r in (self._responses.get(record.request_id) for record in records) if r is not None]
-        with self._engine.begin() as connection:
-            insert_records(connection, records)
-            if stored:
-                store_responses(connection, stored)
+        connection = self._writer_connection(started)
+        try:
+            with connection.begin():
+                insert_records(connection, records)
+                if stored:
+                    store_responses(connection, stored)
+        except _BAD_ROW_ERRORS:
+            raise
+        except BaseException:
+            self._close_connection()  # perhaps broken: the next batch checks out a fresh one
+            raise
+        self._connection_used_at = time.perf_counter()
         for record in records:
             self._responses.pop(record.request_id, None)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         with self._stats_lock:
             self._stats.transactions += 1
             self._stats.last_commit_ms = elapsed_ms
+
+    def _writer_connection(self, now: float) -> Connection:
+        """The writer thread's connection, kept from batch to batch: a checkout and checkin per batch
+        (the pool's reset rollback, PostgreSQL's pre-ping round trip) cost as much as a small batch's
+        insert. One idle for `_IDLE_CONNECTION_S` is replaced, so a server that dropped it meanwhile
+        is pinged at checkout instead of failing a batch into the spool."""
+        if self._connection is not None and now - self._connection_used_at > _IDLE_CONNECTION_S:
+            self._close_connection()
+        if self._connection is None:
+            self._connection = self._engine.connect()
+        return self._connection
+
+    def _close_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception as error:  # a dead connection may fail even to close
+                log.debug("closing the usage writer's connection failed: %s", error)
 
     def _insert_all(self, records: list[UsageRecord]) -> dict[str, Exception]:
         """Insert `records`, each on its own if a bad row (unknown tenant...) spoils the batch.

@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, event, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.models import UsageEvent
 from accounting.tenants import create_tenant
 from accounting.usage import FIELD_NAMES, UsageRecord
+from accounting import usage_commit, usage_writer
+from accounting.usage_commit import insert_records
 from accounting.usage_writer import UsageWriter
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678_000, tzinfo=UTC)
@@ -244,3 +246,68 @@ async def test_a_large_spool_is_replayed_in_chunks_between_live_writes(engine: E
     writer.close(timeout=10)
     assert stored(engine) == {r.request_id: r for r in [*spooled, *live]}
     assert writer.stats().rows_replayed == 250 and writer.stats().rows_written == 100
+
+
+def test_a_batch_larger_than_one_sqlite_statement_is_inserted_whole(engine: Engine) -> None:
+    records = [record(n, started_at=T0.replace(microsecond=0), finished_at=T0.replace(microsecond=0))
+               for n in range(usage_commit._SQLITE_ROWS_PER_INSERT * 2 + 5)]
+    with engine.begin() as connection:
+        insert_records(connection, records)
+        insert_records(connection, records[:3])  # already there: skipped
+    assert stored(engine) == {r.request_id: r for r in records}
+
+
+def test_sqlite_rows_are_stored_as_sqlalchemy_stores_them(engine: Engine) -> None:
+    """The driver-level insert writes the same column text as SQLAlchemy's own (times included, a
+    whole second too), so rows read back alike whichever path wrote them."""
+    on_the_second = T0.replace(microsecond=0)
+    ours = record(1, started_at=on_the_second, finished_at=T0)
+    theirs = record(2, started_at=on_the_second, finished_at=T0)
+    with engine.begin() as connection:
+        insert_records(connection, [ours])
+        connection.execute(insert(UsageEvent), [theirs.to_row()])
+        raw = {row[0]: row[1:] for row in connection.exec_driver_sql(
+            "SELECT request_id, started_at, finished_at, ttft_ms, batch_id FROM usage_events")}
+    assert raw["req-1"][:2] == raw["req-2"][:2] == ("2026-01-02 03:04:05.000000", "2026-01-02 03:04:05.678000")
+    assert raw["req-1"][2:] == (13.5, "batch_1") and raw["req-2"][2:] == (14.5, None)
+
+
+class Checkouts:
+    """Counts the engine's pool checkouts (connections handed out) to the writer's thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.count = 0
+        event.listen(engine, "checkout", self._checkout)
+
+    def _checkout(self, *_: Any) -> None:
+        if threading.current_thread().name == "usage-writer":
+            self.count += 1
+
+
+@pytest.mark.asyncio
+async def test_the_writer_keeps_its_connection_and_replaces_a_failed_or_idle_one(engine: Engine, writers,
+                                                                                  monkeypatch) -> None:
+    writer = writers()
+    checkouts = Checkouts(engine)
+    for n in range(5):
+        await writer.write(record(n))
+    assert checkouts.count == 1  # one connection for five batches
+
+    failures = []
+
+    def failing_once(connection: Any, records: list[UsageRecord]) -> None:
+        if not failures:
+            failures.append(1)
+            raise OperationalError("INSERT INTO usage_events", {}, Exception("disk I/O error"))
+        insert_records(connection, records)
+
+    monkeypatch.setattr(usage_writer, "insert_records", failing_once)
+    await writer.write(record(5))  # spooled, then replayed on a fresh connection
+    wait_for(lambda: count(engine) == 6)
+    assert checkouts.count == 2
+
+    monkeypatch.setattr(usage_writer, "_IDLE_CONNECTION_S", 0.0)
+    await writer.write(record(6))
+    await writer.write(record(7))
+    assert checkouts.count == 4  # each found the last one idle too long
+    assert set(stored(engine)) == {f"req-{n}" for n in range(8)}
