@@ -51,11 +51,13 @@ from workers.wire.channel import (
     decode_answers,
 )
 from workers.wire.generate import GenerateBody
-from workers.wire.outbox import Outbox
+from workers.wire.outbox import Flush, Outbox
 
 HEARTBEAT_S = 15.0  # a worker that stops answering pings (a dead host, no RST) ends the connection
 SEND_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
+ACK_DELAY_S = 0.05
+"""Longest an ack waits for a frame to ride with (see WorkerChannel.acknowledge)."""
 
 
 class ChannelClosed(Exception):
@@ -177,7 +179,8 @@ class WorkerChannel:
         self._connection: _Connection | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._ids = itertools.count()
-        self._acks: list[str] = []  # request ids whose usage rows are committed, sent in one frame per loop turn
+        self._acks: list[str] = []  # request ids whose usage rows are committed, not sent yet
+        self._ack_timer: asyncio.TimerHandle | None = None  # sends them if no generate frame comes first
 
     @property
     def connected(self) -> bool:
@@ -207,6 +210,7 @@ class WorkerChannel:
         request = ChannelRequest(next(self._ids), body["request_id"])
         connection.requests[request.channel_id] = request
         connection.channel_ids[request.request_id] = request.channel_id
+        self._send_acks()  # waiting acks leave in the same write
         connection.send_generate(request, body, headers)
         return request
 
@@ -233,20 +237,30 @@ class WorkerChannel:
             await self.release(request)
 
     def acknowledge(self, request_id: str) -> None:
-        """This request's usage row is committed: the worker may forget its usage. Acks of one loop
-        turn share a frame. One lost with a closed channel only makes the worker offer the request
-        as an orphan, whose row then already exists (usage_events.request_id is unique)."""
+        """This request's usage row is committed: the worker may forget its usage. Acks share one
+        frame, sent with the next generate frame to this worker or after ACK_DELAY_S, whichever
+        comes first: nothing waits for them, and at one request at a time an ack of its own would
+        cost both sides a message (a write, a wakeup, the worker's ledger line) per request. One
+        lost with a closed channel only makes the worker offer the request as an orphan, whose row
+        then already exists (usage_events.request_id is unique)."""
         if not self._acks:
-            asyncio.get_running_loop().call_soon(self._send_acks)
+            self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._send_acks)
         self._acks.append(request_id)
 
-    def _send_acks(self) -> None:
+    def _send_acks(self) -> Flush | None:
+        """Queue the waiting acks in one frame; the write they go out in (None: none were waiting, or
+        the channel is closed)."""
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
         request_ids, self._acks = self._acks, []
         connection = self._connection
-        if connection is None or not connection.open:
-            return
-        with contextlib.suppress(ConnectionResetError):
-            connection.outbox.put(AckFrame(request_ids).encode())
+        if not request_ids or connection is None or not connection.open:
+            return None
+        try:
+            return connection.outbox.put(AckFrame(request_ids).encode())
+        except ConnectionResetError:
+            return None
 
     async def cancel(self, request_id: str) -> bool:
         """The `cancel` verb for a request running on this channel (by the body's `request_id`): its
@@ -268,10 +282,13 @@ class WorkerChannel:
         return await asyncio.shield(flush) is None  # False: the caller falls back to the HTTP cancel route
 
     async def close(self) -> None:
+        acks = self._send_acks()
         connection, self._connection = self._connection, None
         if connection is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    if acks is not None:  # so the worker does not offer these requests as orphans
+                        await asyncio.shield(acks)
                     await connection.ws.close()
             connection.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

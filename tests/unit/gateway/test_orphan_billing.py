@@ -13,6 +13,8 @@ import orjson
 import pytest
 
 from gateway.state import POOL
+from gateway.upstream import channel as channel_module
+from gateway.upstream.channel import WorkerChannel
 from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import MODEL, chat, make_tenant_key, start_gateway
 from tests.unit.gateway.test_gateway_metering import usage_rows
@@ -87,3 +89,36 @@ async def test_served_requests_are_acknowledged_and_leave_no_orphans(aiohttp_cli
     assert ledger.num_open == 0 and len(usage_rows(tmp_path)) == 2
     await client.close()  # the gateway's channel closes: nothing is left to become an orphan
     assert ledger.num_orphans == 0
+
+
+async def test_acks_ride_with_the_next_request_or_leave_after_a_delay(aiohttp_server, monkeypatch) -> None:
+    worker_app = create_fake_worker_app(FakeWorker())
+    worker_url = str((await aiohttp_server(worker_app)).make_url("")).rstrip("/")
+    ledger = worker_app[BILLING_KEY].ledger
+    monkeypatch.setattr(channel_module, "ACK_DELAY_S", 30.0)  # only a generate frame (or close) sends them
+
+    async def served(channel: WorkerChannel, request_id: str) -> None:
+        assert [line async for line in channel.generate(billed_body(request_id, 1), {})][-1]["usage"]
+
+    async with aiohttp.ClientSession() as session:
+        channel = WorkerChannel(worker_url, session, 2.0, {"Authorization": f"Bearer {FAKE_WORKER_SECRET}"})
+        await served(channel, "chatcmpl-a")
+        channel.acknowledge("chatcmpl-a")
+        await asyncio.sleep(0.1)
+        assert ledger.get("chatcmpl-a") is not None  # held back: no frame of its own
+        await served(channel, "chatcmpl-b")  # its generate frame carries the ack
+        assert ledger.get("chatcmpl-a") is None and ledger.get("chatcmpl-b") is not None
+        channel.acknowledge("chatcmpl-b")
+        await channel.close()  # sends what is held back before closing
+        assert ledger.num_open == 0 and ledger.num_orphans == 0
+
+        monkeypatch.setattr(channel_module, "ACK_DELAY_S", 0.05)
+        channel = WorkerChannel(worker_url, session, 2.0, {"Authorization": f"Bearer {FAKE_WORKER_SECRET}"})
+        await served(channel, "chatcmpl-c")
+        channel.acknowledge("chatcmpl-c")
+        for _ in range(100):  # no other frame comes: the delay sends it
+            if ledger.num_open == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert ledger.num_open == 0
+        await channel.close()
