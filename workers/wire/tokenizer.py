@@ -16,6 +16,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from workers.wire.token_segments import SegmentEncoder
+
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or the messages do not fit it."""
@@ -34,6 +36,7 @@ def _token_text(value: Any) -> str | None:
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, special_tokens: dict[str, str | None], chat_template: str | None):
         self._tokenizer = tokenizer
+        self._segments = SegmentEncoder.for_tokenizer(tokenizer)  # None: whole texts only
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
@@ -52,6 +55,8 @@ class TextTokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens and self._segments is not None:  # a chat prompt's repeated pieces cached
+            return self._segments.encode(text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
