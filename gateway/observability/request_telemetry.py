@@ -84,7 +84,9 @@ class RequestTelemetry:
         meter, status = self.meter, self.status
         if status is None:
             status = BILLED_STATUS_CODES.get(meter.status or "", "200") if meter is not None else "200"
-        self.metrics.request_finished(self.tenant, self.model, status, time.perf_counter() - self.t0)
+        # Counted after the response's last write (this loop turn's): not worth the client's wait.
+        asyncio.get_running_loop().call_soon(self.metrics.request_finished, self.tenant, self.model, status,
+                                             time.perf_counter() - self.t0)
         if self.span is None or meter is None or not meter.started:
             return
         usage = meter.usage_so_far()

@@ -111,7 +111,9 @@ class Exchange:
             await self.meter.finish(app[WRITER], status, self.claim if response else None, response)
         app[POOL].acknowledge(url, self.body["request_id"])
         meter = self.meter
-        app[METRICS].billed(self.tenant, self.model, meter.usage_so_far(), meter.ttft_s(), meter.inter_token_s())
+        # After the response's last write (this loop turn's): metrics are not worth the client's wait.
+        asyncio.get_running_loop().call_soon(app[METRICS].billed, self.tenant, self.model, meter.usage_so_far(),
+                                             meter.ttft_s(), meter.inter_token_s())
 
     # -- non-streamed -------------------------------------------------------------------------------
     async def respond_json(self) -> web.Response:
