@@ -12,8 +12,8 @@ last one ends; a 1 s warm-up, then `--seconds` measured), it measures
   (a) direct: `POST {worker}/internal/generate` with ~20 prompt token ids, max_tokens N, the whole
       NDJSON body read (`"stream": false`, the joined answer, as the gateway asks for a non-streamed
       request; the streaming variant streams);
-  (b) gateway: `POST {gateway}/v1/chat/completions`, non-streaming, one short user message,
-      max_tokens N, the whole JSON body read;
+  (b) gateway: `POST {gateway}/v1/chat/completions`, non-streaming, one short user message (numbered:
+      each request's own), max_tokens N, the whole JSON body read;
 and prints requests/s, p50/p99 latency of both, the added latency (gateway - direct at p50 and at
 p99), and the gateway process's CPU time per request (utime + stime from /proc/<pid>/stat over the
 measured window). Then a streaming variant at C = 1 (SSE, `stream: true`): time to first and to
@@ -152,10 +152,18 @@ def direct_request(worker_url: str, stream: bool, tokens: int) -> Request:
 
 
 def gateway_request(gateway_url: str, key: str, model: str, stream: bool, tokens: int) -> Request:
-    body = orjson.dumps({"model": model, "messages": MESSAGES, "max_tokens": tokens, "stream": stream,
-                         "ignore_eos": True})  # exactly `tokens` from a real engine too
+    """Each request's user message is its own (numbered), as users' are: nothing the gateway caches
+    by prompt text (its tokenizer's pieces) sees a repeated message. The system prompt the model's
+    chat template adds does repeat, as system prompts do."""
+    numbers = itertools.count()
+
+    def body() -> bytes:
+        messages = [{"role": "user", "content": f"{MESSAGES[0]['content']} (request {next(numbers)})"}]
+        return orjson.dumps({"model": model, "messages": messages, "max_tokens": tokens, "stream": stream,
+                             "ignore_eos": True})  # exactly `tokens` from a real engine too
+
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-    return post_request(f"{gateway_url}/v1/chat/completions", lambda: body, headers, "gateway")
+    return post_request(f"{gateway_url}/v1/chat/completions", body, headers, "gateway")
 
 
 # --- main ------------------------------------------------------------------------------------
