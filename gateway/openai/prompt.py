@@ -54,7 +54,7 @@ async def parse_generation(request: web.Request, kind: GenerationKind, caller: C
         raise invalid("batch requests cannot be streamed: remove 'stream'", "stream")
     entry = model_entry(request.app, params.model)
     with request.app[TRACING].span("gateway.tokenize") as span:
-        prompt = prompt_token_ids(entry, params)
+        prompt = prompt_token_ids(entry, params, namespace_of(caller))
         max_tokens = completion_budget(entry, params, len(prompt))
         if span is not None:
             span.set_attribute("tollway.request.prompt_tokens", len(prompt))
@@ -63,16 +63,18 @@ async def parse_generation(request: web.Request, kind: GenerationKind, caller: C
     return ParsedGeneration(request_id, raw, params, entry, prompt, max_tokens)
 
 
-def prompt_token_ids(entry: ModelEntry, params: GenerationRequest) -> list[int]:
+def prompt_token_ids(entry: ModelEntry, params: GenerationRequest, namespace: str) -> list[int]:
+    """The prompt's token ids; a chat's repeated pieces come from the tokenizer's cache for `namespace`
+    (the caller's tenant: one tenant never times another's cached text)."""
     if params.messages is not None:
         tokenizer, tools = entry.tokenizer, params.tools
         try:
             if tokenizer.renders_tools:  # the model's own tool format
                 definitions = [t.definition() for t in tools.tools] if tools is not None and tools.active else None
-                return tokenizer.encode_chat(params.messages, tools=definitions)
+                return tokenizer.encode_chat(params.messages, tools=definitions, cache_scope=namespace)
             if tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in params.messages):
-                return tokenizer.encode_chat(default_rendering(params.messages, tools))
-            return tokenizer.encode_chat(params.messages)
+                return tokenizer.encode_chat(default_rendering(params.messages, tools), cache_scope=namespace)
+            return tokenizer.encode_chat(params.messages, cache_scope=namespace)
         except ChatTemplateError as exc:
             raise invalid(str(exc), "messages") from exc
     if params.prompt_ids is not None:

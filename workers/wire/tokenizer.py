@@ -54,9 +54,11 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not add_special_tokens and self._segments is not None:  # a chat prompt's repeated pieces cached
-            return self._segments.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True, cache_scope: str = "") -> list[int]:
+        """The text's token ids. Without special tokens added (a rendered chat prompt), pieces between
+        added tokens come from a cache kept per `cache_scope` (see workers/wire/token_segments.py)."""
+        if not add_special_tokens and self._segments is not None:
+            return self._segments.encode(text, cache_scope)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -88,6 +90,7 @@ class TextTokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, cache_scope: str = "") -> list[int]:
         # The template writes the special tokens itself, so none are added here (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False,
+                           cache_scope=cache_scope)

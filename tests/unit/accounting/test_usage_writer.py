@@ -15,11 +15,11 @@ import pytest
 from sqlalchemy import Engine, event, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from accounting import usage_commit, usage_writer
 from accounting.db import create_db_engine, session_factory, upgrade_database
 from accounting.models import UsageEvent
 from accounting.tenants import create_tenant
 from accounting.usage import FIELD_NAMES, UsageRecord
-from accounting import usage_commit, usage_writer
 from accounting.usage_commit import insert_records
 from accounting.usage_writer import UsageWriter
 

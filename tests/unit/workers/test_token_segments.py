@@ -73,3 +73,14 @@ def test_tokenizers_whose_added_tokens_touch_their_neighbours_are_refused() -> N
     assert SegmentEncoder.for_tokenizer(_word_tokenizer(AddedToken("<s>", special=True, normalized=True))) is None
     plain.encode_special_tokens = True
     assert SegmentEncoder.for_tokenizer(plain) is None
+
+
+def test_pieces_are_cached_per_scope(smollm2_tokenizer: TextTokenizer) -> None:
+    encoder = SegmentEncoder.for_tokenizer(smollm2_tokenizer._tokenizer)
+    assert encoder is not None
+    text = "<|im_start|>system\nA tenant's own system prompt<|im_end|>\n"
+    misses = lambda: encoder._cached.cache_info().misses  # noqa: E731
+    encoder.encode(text, "tenant-1")
+    before = misses()
+    assert encoder.encode(text, "tenant-1") == encoder.encode(text, "tenant-2")
+    assert misses() - before == 2  # tenant-2 tokenized both pieces itself; tenant-1's were cached
