@@ -5,8 +5,7 @@ It is checked when it is made (tz-aware times, non-negative token counts, string
 columns), so a bad record fails in the caller, not later in the writer's batch or in its spool.
 `to_json`/`from_json` are the line format of the usage writer's spool (`accounting.usage_spool`),
 the local file where `accounting.usage_writer` keeps rows while the database is unavailable;
-`to_copy_line` is a line of the COPY that `accounting.usage_commit.insert_records` sends PostgreSQL,
-`to_sqlite_params` the parameters of its SQLite INSERT.
+`to_copy_line` is a line of the COPY that `accounting.usage_commit.insert_records` sends PostgreSQL.
 """
 
 from __future__ import annotations
@@ -108,12 +107,6 @@ class UsageRecord:
                 cells.append(str(value))
         return "\t".join(cells) + "\n"
 
-    def to_sqlite_params(self) -> tuple[Any, ...]:
-        """The row as the SQLite driver's parameters (FIELD_NAMES order): times as the naive UTC text
-        SQLAlchemy's SQLite DATETIME stores and parses back, always with six digits of microseconds."""
-        return tuple(_sqlite_time(value) if isinstance(value, datetime) else value
-                     for value in (getattr(self, name) for name in FIELD_NAMES))
-
     @classmethod
     def from_json(cls, line: str | bytes) -> UsageRecord:
         """The record of a `to_json` line; raises ValueError (or TypeError) on a malformed one."""
@@ -124,12 +117,6 @@ class UsageRecord:
             if isinstance(data.get(name), str):
                 data[name] = datetime.fromisoformat(data[name])
         return cls(**data)
-
-
-def _sqlite_time(value: datetime) -> str:
-    """`value` (aware, UTC: see __post_init__) in sqlalchemy.dialects.sqlite.DATETIME's storage format."""
-    return (f"{value.year:04d}-{value.month:02d}-{value.day:02d} "
-            f"{value.hour:02d}:{value.minute:02d}:{value.second:02d}.{value.microsecond:06d}")
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(UsageRecord))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, bindparam, update
@@ -30,6 +31,8 @@ _SQLITE_INSERT = sqlite.insert(_TABLE).on_conflict_do_nothing(index_elements=["r
 _POSTGRESQL_INSERT = (postgresql.insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
                       .returning(_TABLE.c.id))
 _COLUMNS = ", ".join(FIELD_NAMES)
+_SQLITE_TIME = cast(Callable[[datetime], str], sqlite.DATETIME().bind_processor(sqlite.dialect()))
+"""A naive datetime as SQLite's DATETIME column text (UsageRecord times are UTC: see its __post_init__)."""
 _SQLITE_ROWS_PER_INSERT = 999 // len(FIELD_NAMES)
 """Rows of one SQLite INSERT: within the 999 parameters of SQLite builds before 3.32."""
 # The staging table lives in the connection's session (pg_temp) and is emptied by every commit.
@@ -68,7 +71,7 @@ def insert_records(connection: Connection, records: list[UsageRecord]) -> None:
         for start in range(0, len(records), _SQLITE_ROWS_PER_INSERT):
             chunk = records[start:start + _SQLITE_ROWS_PER_INSERT]
             statement = _sqlite_insert(len(chunk))
-            params = tuple(value for record in chunk for value in record.to_sqlite_params())
+            params = tuple(value for record in chunk for value in _sqlite_params(record))
             with _driver_cursor(connection, statement) as cursor:
                 cursor.execute(statement, params)
     elif dialect.name in SUPPORTED_DIALECTS:  # another driver
@@ -76,6 +79,13 @@ def insert_records(connection: Connection, records: list[UsageRecord]) -> None:
         connection.execute(insert, [record.to_row() for record in records])
     else:
         raise ValueError(f"usage rows go to {', '.join(SUPPORTED_DIALECTS)}, not {dialect.name}")
+
+
+def _sqlite_params(record: UsageRecord) -> tuple[Any, ...]:
+    """The record's columns (FIELD_NAMES order) as the SQLite driver takes them: times as the naive UTC text
+    SQLAlchemy's own SQLite DATETIME stores (its bind processor writes it), so either path reads back alike."""
+    return tuple(_SQLITE_TIME(value.replace(tzinfo=None)) if isinstance(value, datetime) else value
+                 for value in (getattr(record, name) for name in FIELD_NAMES))
 
 
 @functools.lru_cache(maxsize=_SQLITE_ROWS_PER_INSERT)
