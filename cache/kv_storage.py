@@ -3,8 +3,8 @@
 With a layout of several layer groups (cache/kv_layout.py) a block id is a page of one group and
 layers at the same place in their groups share one tensor (`keys[l]` is that tensor for layer l).
 
-Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (an int8 cache adds each row's
-fp32 scale: head_dim + 4 int8, kernels/kv_int8.py). A token's K/V row for all
+Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim] (an int8 cache adds an fp16
+scale per 16 values: head_dim + head_dim / 8 int8, kernels/kv_int8.py). A token's K/V row for all
 heads is contiguous, so storing one new token is a single row write at its slot
 (slot = block_id * block_size + offset, viewing the tensor as [num_slots, heads, dim]); attention
 kernels read whole blocks through the block table, and gathering a sequence's blocks yields

@@ -48,12 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = kept
 
 
-_UNEXPECTED_SKIPS: list[str] = []  # under TOLLWAY_REQUIRE_SERVICES: skips of tests not marked gpu
+_UNEXPECTED_SKIPS: list[str] = []  # under TOLLWAY_REQUIRE_SERVICES: skips of tests not marked gpu or cpu_isa
+_HARDWARE_MARKERS = ("gpu", "cpu_isa")  # what a machine has, not a service: CI's hosts differ in both
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in report.keywords \
-            and services_required():
+    if report.skipped and not hasattr(report, "wasxfail") \
+            and not any(marker in report.keywords for marker in _HARDWARE_MARKERS) and services_required():
         _UNEXPECTED_SKIPS.append(report.nodeid)
 
 
@@ -66,7 +67,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if _UNEXPECTED_SKIPS:
         terminalreporter.section(f"skips not allowed under {REQUIRE_SERVICES}=1", sep="=", red=True)
         for nodeid in _UNEXPECTED_SKIPS:
-            terminalreporter.line(f"SKIPPED (only gpu tests may skip): {nodeid}")
+            terminalreporter.line(f"SKIPPED (only gpu and cpu_isa tests may skip): {nodeid}")
 
 
 @pytest.fixture(scope="session")

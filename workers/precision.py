@@ -130,7 +130,7 @@ KV_CACHE_DTYPE_CHOICES = ("model", "float16", "bfloat16", "int8")
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The KV cache's dtype for a `TOLLWAY_KV_CACHE_DTYPE` choice: `model` is the model's own; float16 or
     bfloat16 store an fp32 model's K/V in half the bytes (the attention kernels widen them to fp32 as they
-    read); int8 stores any model's K/V as int8 codes with a scale per token and head (kernels/kv_int8.py), on
+    read); int8 stores any model's K/V as int8 codes with an fp16 scale per 16 values (kernels/kv_int8.py), on
     any device. float16/bfloat16 under an fp32 model: on a CPU only (the Triton kernels read the model's dtype
     or int8). ValueError for anything else."""
     if name == "model" or DTYPES.get(name) == model_dtype:

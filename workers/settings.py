@@ -42,8 +42,8 @@ class WorkerSettings(TracingSettings):
     kv_cache_dtype: Literal["model", "float16", "bfloat16", "int8"] = "model"
     """What the KV cache stores: model (the model's dtype), or float16 / bfloat16 under an fp32 model on a CPU:
     half the bytes every decode step reads and twice the tokens per MiB, K/V rounded as they are stored
-    (llama.cpp keeps f16 K/V by default); or int8 under any model on a CPU: codes with an fp32 scale per token
-    and head (kernels/kv_int8.py), 68 bytes per 64 values. workers/precision.py `resolve_kv_cache_dtype`."""
+    (llama.cpp keeps f16 K/V by default); or int8 under any model on a CPU: codes with an fp16 scale per 16
+    values (kernels/kv_int8.py), 72 bytes per 64 values. workers/precision.py `resolve_kv_cache_dtype`."""
     kv_cache_mb: int = 2048
     """Memory for paged KV blocks (and the prefix cache that lives in them), in MiB."""
     max_batch_tokens: int | None = Field(default=None, ge=1)

@@ -9,6 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_int8 import GROUP
+
+KV_GROUP: tl.constexpr = tl.constexpr(GROUP)  # values per fp16 scale in an int8 cache's rows (kernels/kv_int8.py)
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep full fp32 products (TF32 would cost ~1e-3 of accuracy); half types are exact anyway."""
@@ -57,17 +61,18 @@ def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
                  stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  QUANT: tl.constexpr):
     """[tokens, dims] of one KV head, each token found through its sequence's block table. QUANT: an int8
-    cache (kernels/kv_int8.py), whose rows are HEAD_DIM codes and then their fp32 scale: returns
-    codes * scale in fp32 (the caller rounds it to its compute dtype)."""
+    cache (kernels/kv_int8.py), whose rows are HEAD_DIM codes and then an fp16 scale per KV_GROUP of them:
+    returns codes * their group's scale in fp32 (the caller rounds it to its compute dtype)."""
     blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
     offsets = blocks[:, None] * stride_block + (tokens % BLOCK_SIZE)[:, None] * stride_slot
     rows = cache_ptr + offsets + kv_head * stride_head  # [tokens, 1]
     values = tl.load(rows + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
     # One return, the branches assigning it: Triton compiles both returns of an early `return` and
     # refuses their different types (fp32 and int8), where the interpreter runs only the one taken.
-    if QUANT:  # the scale's 4 bytes follow the codes; rows are 4-byte aligned when HEAD_DIM % 4 == 0 (every model served)
-        scales = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=token_ok[:, None], other=0.0)
-        tile = values.to(tl.float32) * scales
+    if QUANT:  # the scales follow the codes, 2-byte aligned (HEAD_DIM is a multiple of KV_GROUP)
+        scale_ptrs = (rows + HEAD_DIM).to(tl.pointer_type(tl.float16)) + (dims // KV_GROUP)[None, :]
+        scales = tl.load(scale_ptrs, mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+        tile = values.to(tl.float32) * scales.to(tl.float32)
     else:
         tile = values
     return tile

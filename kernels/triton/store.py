@@ -1,6 +1,7 @@
 """Triton store_kv: one program per new token copies its K and V rows (all KV heads) to its slot; into an
-int8 cache (kernels/kv_int8.py) each head's row is quantized as `kv_int8.quantize` does: scale = max|x| / 127,
-codes round(x / scale) to nearest even, the scale's 4 bytes after the codes."""
+int8 cache (kernels/kv_int8.py) each head's row is quantized as `kv_int8.quantize` does, per group of KV_GROUP
+values: scale = fp16(max|x| / 127), codes round(x / scale) to nearest even from the scale as stored, the fp16
+scales after the codes."""
 
 from __future__ import annotations
 
@@ -9,23 +10,27 @@ import triton
 import triton.language as tl
 
 from kernels.kv_int8 import QMAX, is_int8
-from kernels.triton.common import check_last_dim_contiguous, round_half_even
+from kernels.triton.common import KV_GROUP, check_last_dim_contiguous, round_half_even
 
 
 @triton.jit
 def _store_rows(cache_ptr, x, heads, dims, mask, head_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
-                QMAX: tl.constexpr):
+                QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """x [heads, dims] into one token's rows at cache_ptr + heads (head offsets) + dims."""
     if QUANT:
         xf = x.to(tl.float32)
-        amax = tl.max(tl.abs(xf), 1)  # [heads]; masked dims were loaded as 0
-        scale = tl.math.div_rn(amax, QMAX * 1.0)
-        safe = tl.where(amax > 0.0, scale, 1.0)  # a row of zeros: codes 0, scale 0
-        inverse = tl.where(amax > 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), safe), 0.0)
-        codes = tl.minimum(tl.maximum(round_half_even(xf * inverse[:, None]), -QMAX * 1.0), QMAX * 1.0)
+        groups = tl.reshape(tl.abs(xf), [BLOCK_H, BLOCK_D // KV_GROUP, KV_GROUP])  # masked dims were loaded as 0
+        scale = tl.math.div_rn(tl.max(groups, 2), QMAX * 1.0).to(tl.float16)  # [heads, groups]
+        stored = scale.to(tl.float32)
+        safe = tl.where(stored > 0.0, stored, 1.0)  # a group of zeros: codes 0, scale 0
+        inverse = tl.where(stored > 0.0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), safe), 0.0)
+        spread = tl.reshape(tl.broadcast_to(inverse[:, :, None], [BLOCK_H, BLOCK_D // KV_GROUP, KV_GROUP]),
+                            [BLOCK_H, BLOCK_D])  # each dim's group's inverse
+        codes = tl.minimum(tl.maximum(round_half_even(xf * spread), -QMAX * 1.0), QMAX * 1.0)
         tl.store(cache_ptr + heads + dims, codes.to(tl.int8), mask=mask)
-        scale_ptrs = (cache_ptr + heads + HEAD_DIM).to(tl.pointer_type(tl.float32))  # [heads, 1]
-        tl.store(scale_ptrs, scale[:, None], mask=head_ok)
+        group = tl.arange(0, BLOCK_D // KV_GROUP)[None, :]
+        scale_ptrs = (cache_ptr + heads + HEAD_DIM).to(tl.pointer_type(tl.float16)) + group  # [heads, groups]
+        tl.store(scale_ptrs, scale, mask=head_ok & (group < HEAD_DIM // KV_GROUP))
     else:
         tl.store(cache_ptr + heads + dims, x, mask=mask)
 
@@ -50,9 +55,9 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask, other=0.0)
     v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask, other=0.0)
     _store_rows(k_cache_ptr + block * stride_k_block + offset * stride_k_slot, k, heads * stride_k_head, dims, mask,
-                head_ok, HEAD_DIM, QUANT, QMAX)
+                head_ok, HEAD_DIM, QUANT, QMAX, BLOCK_H, BLOCK_D)
     _store_rows(v_cache_ptr + block * stride_v_block + offset * stride_v_slot, v, heads * stride_v_head, dims, mask,
-                head_ok, HEAD_DIM, QUANT, QMAX)
+                head_ok, HEAD_DIM, QUANT, QMAX, BLOCK_H, BLOCK_D)
 
 
 def store_kv(

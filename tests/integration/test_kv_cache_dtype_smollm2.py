@@ -1,7 +1,10 @@
 """The default model in fp32 with a float16 or an int8 KV cache (`TOLLWAY_KV_CACHE_DTYPE`): in every
 scheduling regime its greedy tokens are fp32's argmax (teacher forced on the engine's own output) at >= 98%
-of positions, as the bf16 bound of tests/integration/test_engine_smollm2.py; with a float16 cache a prefix
-hit gives the tokens a cold prompt gave (the cache's rounded K/V are what every read sees); no block leaks.
+of positions, as the bf16 bound of tests/integration/test_engine_smollm2.py, over the same 20 questions x 48
+tokens (on the five questions' 87 tokens two flips fail the bound: the int8 cache's first layout, a scale per
+64-value row, passed there on some hosts and failed on others while it sat at 97.3-98.3% over 700 tokens);
+with a float16 cache a prefix hit gives the tokens a cold prompt gave (the cache's rounded K/V are what every
+read sees); no block leaks.
 
 The int8 cache's prefix hits are held to the fp32 bound, not to the cold round's tokens. A cold prefill and
 a prefix hit compute the same K through different attention paths (2-3e-5 apart in fp32); where such a
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_engine_smollm2 import MAX_TOKENS, REGIMES, prompts  # noqa: F401 (a fixture)
+from tests.integration.test_engine_smollm2 import AGREEMENT_QUESTIONS, AGREEMENT_TOKENS, REGIMES, chat_prompts
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import Sequence
@@ -30,15 +33,20 @@ from workers.wire.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def prompts(fp32: LoadedModel) -> list[list[int]]:
+    return chat_prompts(fp32, AGREEMENT_QUESTIONS)
+
+
 @pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("regime", ["chunked", "prefix-hits", "preempting"])  # batched = prefix-hits, round 1
-def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: list[list[int]],  # noqa: F811
+def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: list[list[int]],
                                                   regime: str, cache_dtype: str) -> None:
     base = REGIMES[regime]
     engine = Engine(fp32, EngineConfig(num_blocks=base.num_blocks, block_size=base.block_size,
                                        max_batch_tokens=base.max_batch_tokens, kv_cache_dtype=cache_dtype))
     assert engine.runner.kv.keys[0].dtype == getattr(torch, cache_dtype)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0)
     rounds = [engine.generate_batch(prompts, params) for _ in range(2 if regime == "prefix-hits" else 1)]
     engine.check_integrity()
     assert engine.all_blocks_free_or_evictable()
@@ -48,10 +56,10 @@ def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: li
         if cache_dtype == "float16":  # int8: see the module docstring
             assert [s.output_ids for s in seqs] == [s.output_ids for s in rounds[0]]
     agree, total = fp32_agreement(fp32, prompts, seqs)
-    assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
+    assert total >= 500 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
 
 
-def fp32_agreement(fp32: LoadedModel, prompts: list[list[int]],  # noqa: F811
+def fp32_agreement(fp32: LoadedModel, prompts: list[list[int]],
                    seqs: list[Sequence]) -> tuple[int, int]:
     """(tokens equal to fp32's argmax teacher forced on the engine's own output, tokens generated)."""
     agree = total = 0
@@ -65,21 +73,21 @@ def fp32_agreement(fp32: LoadedModel, prompts: list[list[int]],  # noqa: F811
 
 @pytest.mark.parametrize("regime", ["chunked", "prefix-hits", "preempting"])
 def test_int8_cache_at_the_default_precision_tracks_fp32(fp32: LoadedModel, smollm2_folder: Path,
-                                                         prompts: list[list[int]], regime: str) -> None:  # noqa: F811
+                                                         prompts: list[list[int]], regime: str) -> None:
     """What users would run: `auto` precision (bf16 where the CPU computes it faster than fp32) with an int8 cache."""
     dtype = resolve_dtype("auto", "cpu")
     model = fp32 if dtype == torch.float32 else load_model(smollm2_folder, dtype)
     base = REGIMES[regime]
     engine = Engine(model, EngineConfig(num_blocks=base.num_blocks, block_size=base.block_size,
                                         max_batch_tokens=base.max_batch_tokens, kv_cache_dtype="int8"))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0)
     rounds = [engine.generate_batch(prompts, params) for _ in range(2 if regime == "prefix-hits" else 1)]
     engine.check_integrity()
     assert engine.all_blocks_free_or_evictable()
     if regime == "prefix-hits":
         assert all(s.cached_len >= len(prompts[0]) // 2 for s in rounds[1])  # tokens: see the module docstring
     agree, total = fp32_agreement(fp32, prompts, rounds[-1])
-    assert total > 0 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
+    assert total >= 500 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
 
 
 def test_narrow_caches_hold_more_blocks(fp32: LoadedModel) -> None:
@@ -87,8 +95,8 @@ def test_narrow_caches_hold_more_blocks(fp32: LoadedModel) -> None:
     wide = Engine(fp32, EngineConfig(kv_budget_bytes=budget))
     narrow = Engine(fp32, EngineConfig(kv_budget_bytes=budget, kv_cache_dtype="float16"))
     assert narrow.cache.pool.num_blocks == 2 * wide.cache.pool.num_blocks
-    int8 = Engine(fp32, EngineConfig(kv_budget_bytes=budget, kv_cache_dtype="int8"))  # 64 + 4 bytes a row, not 256
-    assert int8.cache.pool.num_blocks == budget // (wide.cache.pool.block_size * 30 * 2 * 3 * 68)
-    assert int8.cache.pool.num_blocks >= 3.7 * wide.cache.pool.num_blocks
+    int8 = Engine(fp32, EngineConfig(kv_budget_bytes=budget, kv_cache_dtype="int8"))  # 64 + 8 bytes a row, not 256
+    assert int8.cache.pool.num_blocks == budget // (wide.cache.pool.block_size * 30 * 2 * 3 * 72)
+    assert int8.cache.pool.num_blocks >= 3.5 * wide.cache.pool.num_blocks
     # the engine reports what its blocks hold (the worker's start line and GET /internal/info)
     assert [e.info()["kv_cache_dtype"] for e in (wide, narrow, int8)] == ["float32", "float16", "int8"]

@@ -82,13 +82,20 @@ inline Vec load_each(const C* p) {
 }
 
 // ---- the int8 KV cache (kernels/kv_int8.py) ---------------------------------------------------
-// A row of one token and head: D int8 codes, then the fp32 scale s (4 bytes); value = code * s.
-constexpr int64_t kScaleBytes = 4;
+// A row of one token and head: D int8 codes, then one fp16 scale per group of kGroup values (2 D / kGroup
+// bytes); value = code * its group's scale.
+constexpr int64_t kGroup = 16;
 
-inline float row_scale(const int8_t* row, int64_t D) {
-  float s;
-  std::memcpy(&s, row + D, sizeof(float));
-  return s;
+constexpr int64_t int8_row_bytes(int64_t D) { return D + 2 * (D / kGroup); }
+
+// The D of int8 rows row_bytes wide (the inverse of int8_row_bytes).
+constexpr int64_t int8_head_dim(int64_t row_bytes) { return row_bytes * kGroup / (kGroup + 2); }
+
+// The scale of group g (values g * kGroup ...) of an int8 row of D codes, as a float.
+inline float group_scale(const int8_t* row, int64_t D, int64_t g) {
+  uint16_t bits;
+  std::memcpy(&bits, row + D + 2 * g, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
 // W codes from p as floats.
@@ -102,19 +109,24 @@ inline Vec load_codes(const int8_t* p) {
 #endif
 }
 
-// x (D values of T) into an int8 row: s = max|x| / 127, codes round(x / s) (to nearest even, as torch.round),
-// computed in fp32 exactly as kv_int8.quantize does, so either path stores the same bytes.
+// x (D values of T) into an int8 row, a group of kGroup at a time: s = fp16(max|x| / 127), codes round(x / s)
+// (to nearest even, as torch.round) from s as stored, computed in fp32 exactly as kv_int8.quantize does, so
+// either path stores the same bytes.
 template <typename T>
 inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
-  const float scale = amax / 127.f;
-  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
-  for (int64_t i = 0; i < D; ++i) {
-    const float code = std::nearbyint(static_cast<float>(x[i]) * inverse);
-    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  for (int64_t g = 0; g < D / kGroup; ++g) {
+    const T* xg = x + g * kGroup;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::abs(static_cast<float>(xg[i])));
+    const Half scale(amax / 127.f);
+    const float stored = static_cast<float>(scale);
+    const float inverse = stored > 0.f ? 1.f / stored : 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float code = std::nearbyint(static_cast<float>(xg[i]) * inverse);
+      dst[g * kGroup + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+    }
+    std::memcpy(dst + D + 2 * g, &scale, sizeof(scale));
   }
-  std::memcpy(dst + D, &scale, sizeof(float));
 }
 
 // W values of a row of C (fp32, or a 16-bit cache: fp16 by F16C, bf16 by a shift into the high half, or
@@ -124,7 +136,7 @@ inline Vec load_vec(const C* p) {
   if constexpr (std::is_same_v<C, float>) {
     return Vec::loadu(p);
   } else if constexpr (std::is_same_v<C, int8_t>) {
-    return load_codes(p);  // an int8 cache row's codes (the row's scale is applied by the caller)
+    return load_codes(p);  // an int8 cache row's codes (load_row applies their group's scale)
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -137,6 +149,18 @@ inline Vec load_vec(const C* p) {
 #else
     return load_each(p);
 #endif
+  }
+}
+
+// W values at offset o (a multiple of W) of a cache row of D values of C, as floats: an int8 row's codes times
+// their group's scale (W divides kGroup), any other row widened.
+template <typename C, int64_t D>
+inline Vec load_row(const C* row, int64_t o) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    static_assert(kGroup % W == 0, "a vector of codes lies in one group");
+    return load_codes(row + o) * Vec(group_scale(row, D, o / kGroup));
+  } else {
+    return load_vec(row + o);
   }
 }
 
@@ -208,7 +232,7 @@ inline void store_vec(const Vec& x, T* dst) {
 }
 
 // The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
-// dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per row) under either.
+// dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per 16 values) under either.
 inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {
   if (cache == at::kChar) return compute == at::kFloat || compute == at::kBFloat16;
   if (compute == at::kFloat) return cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16;

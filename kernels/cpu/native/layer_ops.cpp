@@ -135,8 +135,8 @@ void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
       if (slot[n] >= 0) {
         if constexpr (std::is_same_v<C, int8_t>) {
           for (int64_t head = 0; head < hkv; ++head) {
-            quantize_row(row + (hq + head) * D, kc + slot[n] * cache_row + head * (D + kScaleBytes), D);
-            quantize_row(row + (hq + hkv + head) * D, vc + slot[n] * cache_row + head * (D + kScaleBytes), D);
+            quantize_row(row + (hq + head) * D, kc + slot[n] * cache_row + head * int8_row_bytes(D), D);
+            quantize_row(row + (hq + hkv + head) * D, vc + slot[n] * cache_row + head * int8_row_bytes(D), D);
           }
         } else if constexpr (std::is_same_v<T, C>) {
           std::copy(row + hq * D, row + hq * D + kv_row, kc + slot[n] * kv_row);
@@ -154,10 +154,11 @@ void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
                   const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "rotary_store: caches must be contiguous and alike");
-  const int64_t D = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+  const int64_t D = k_cache.scalar_type() == at::kChar ? int8_head_dim(k_cache.size(3)) : k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D &&
-                  k_cache.size(2) == num_kv_heads && D % 2 == 0,
-              "rotary_store: qkv must be [N, (Hq + 2 Hkv) * D] with contiguous rows");
+                  k_cache.size(2) == num_kv_heads && D % 2 == 0 &&
+                  (k_cache.scalar_type() != at::kChar || (D % kGroup == 0 && int8_row_bytes(D) == k_cache.size(3))),
+              "rotary_store: qkv must be [N, (Hq + 2 Hkv) * D] with contiguous rows (int8 caches: D + D / 8 each)");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
                   sin.stride(1) == 1 && cos.size(0) == qkv.size(0),
               "rotary_store: cos/sin must be [N, D]");

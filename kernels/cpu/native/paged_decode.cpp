@@ -4,8 +4,9 @@
 // the block table (no gather, no copy). Scores for the whole context live in a per-thread buffer
 // [heads per pass, L] (L = context rounded up to W); softmax and the V sum run over it in fp32. The caches
 // hold C: T itself, or a narrower storage type of an fp32 model (`TOLLWAY_KV_CACHE_DTYPE`), widened on load,
-// or int8 rows (kernels/kv_int8.py: D codes, then the row's fp32 scale), whose scale is applied once per
-// row: to the score after the dot product, to the probability before the V sum (D + 4 bytes read per row).
+// or int8 rows (kernels/kv_int8.py: D codes, then an fp16 scale per 16 of them), each vector of codes widened
+// and multiplied by its group's scale as it loads (D + D / 8 bytes read per row; the earlier layout's one scale
+// per row was applied to the score and to the probability instead).
 //
 // The query heads go in passes of up to kHeadsPerPass (AVX512: 4; AVX2: 1, whose 16 registers hold one
 // head's q and sums): a pass reads each K row once for its heads (four tokens at a time, one horizontal
@@ -65,12 +66,24 @@ void scores_float(const float* qf, TaskRows<C> t) {
     const C* k3 = t.kp + t.rows[i + 3];
 #pragma GCC unroll 16
     for (int64_t j = 0; j < V; ++j) {
+      if constexpr (std::is_same_v<C, int8_t>) {  // each vector widened and scaled once for the NG heads
+        const Vec v0 = load_row<C, D>(k0, j * W), v1 = load_row<C, D>(k1, j * W);
+        const Vec v2 = load_row<C, D>(k2, j * W), v3 = load_row<C, D>(k3, j * W);
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < NG; ++g) {  // the loads repeat per head: L1 hits, and fp32 ones fold into the FMA
-        a[g][0] = at::vec::fmadd(q[g][j], load_vec(k0 + j * W), a[g][0]);
-        a[g][1] = at::vec::fmadd(q[g][j], load_vec(k1 + j * W), a[g][1]);
-        a[g][2] = at::vec::fmadd(q[g][j], load_vec(k2 + j * W), a[g][2]);
-        a[g][3] = at::vec::fmadd(q[g][j], load_vec(k3 + j * W), a[g][3]);
+        for (int64_t g = 0; g < NG; ++g) {
+          a[g][0] = at::vec::fmadd(q[g][j], v0, a[g][0]);
+          a[g][1] = at::vec::fmadd(q[g][j], v1, a[g][1]);
+          a[g][2] = at::vec::fmadd(q[g][j], v2, a[g][2]);
+          a[g][3] = at::vec::fmadd(q[g][j], v3, a[g][3]);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < NG; ++g) {  // the loads repeat per head: L1 hits, and fp32 ones fold into the FMA
+          a[g][0] = at::vec::fmadd(q[g][j], load_vec(k0 + j * W), a[g][0]);
+          a[g][1] = at::vec::fmadd(q[g][j], load_vec(k1 + j * W), a[g][1]);
+          a[g][2] = at::vec::fmadd(q[g][j], load_vec(k2 + j * W), a[g][2]);
+          a[g][3] = at::vec::fmadd(q[g][j], load_vec(k3 + j * W), a[g][3]);
+        }
       }
     }
     for (int64_t g = 0; g < NG; ++g) reduce4(a[g][0], a[g][1], a[g][2], a[g][3], t.s + g * t.L + i);
@@ -78,7 +91,7 @@ void scores_float(const float* qf, TaskRows<C> t) {
   for (; i < t.n; ++i) {
     for (int64_t g = 0; g < NG; ++g) {
       Vec a(0.f);
-      for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(q[g][j], load_vec(t.kp + t.rows[i] + j * W), a);
+      for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(q[g][j], load_row<C, D>(t.kp + t.rows[i], j * W), a);
       t.s[g * t.L + i] = reduce_add(a);
     }
   }
@@ -100,10 +113,10 @@ void value_sum(TaskRows<C> t, const float* inv, float* acc) {
       if (fetch_next && i < t.next_n) prefetch_rows(t.kp, t.next_rows, i, i + 1, row_bytes<C, D>());
       Vec p[NG];
       for (int64_t g = 0; g < NG; ++g) p[g] = Vec(t.s[g * t.L + i]);
-      const C* row = t.vp + t.rows[i] + d;
+      const C* row = t.vp + t.rows[i];
 #pragma GCC unroll 16
       for (int64_t j = 0; j < K; ++j) {
-        const Vec v = load_vec(row + j * W);
+        const Vec v = load_row<C, D>(row, d + j * W);
 #pragma GCC unroll 8
         for (int64_t g = 0; g < NG; ++g) sum[g][j] = at::vec::fmadd(p[g], v, sum[g][j]);
       }
@@ -134,19 +147,9 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
     for (int64_t g = 0; g < NG; ++g) load_floats(qp + geo.q_offset(b, first + g), qf + g * D, D);
     scores_float<C, D, NG>(qf, t);
   }
-  if constexpr (std::is_same_v<C, int8_t>) {  // the dot products were of K's codes: scale them
-    for (int64_t g = 0; g < NG; ++g) {
-      for (int64_t i = 0; i < t.n; ++i) t.s[g * t.L + i] *= t.k_scales[i];
-    }
-  }
   const int64_t n_padded = (t.n + W - 1) / W * W;
   float inv[NG];
   for (int64_t g = 0; g < NG; ++g) inv[g] = softmax_in_place<std::is_same_v<T, BFloat16>>(t.s + g * t.L, t.n, n_padded, fscale);
-  if constexpr (std::is_same_v<C, int8_t>) {  // the V sum reads codes: fold each row's scale into p
-    for (int64_t g = 0; g < NG; ++g) {
-      for (int64_t i = 0; i < t.n; ++i) t.s[g * t.L + i] *= t.v_scales[i];
-    }
-  }
   alignas(64) float acc[NG * D];
   bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -183,8 +186,6 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
-    constexpr bool int8_cache = std::is_same_v<C, int8_t>;
-    std::vector<float> k_scales(int8_cache ? L : 0), v_scales(int8_cache ? L : 0);
     std::vector<BFloat16> probs16(std::is_same_v<C, BFloat16> ? kHeadsPerPass * L : 0);
     // The rows of task `task` (b, h): n of them into `into`.
     auto task_rows = [&](int64_t task, int64_t* into) {
@@ -198,15 +199,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
       const int64_t n = next_n;
       rows.swap(next_rows);
       next_n = task + 1 < end ? task_rows(task + 1, next_rows.data()) : 0;
-      if constexpr (int8_cache) {
-        for (int64_t i = 0; i < n; ++i) {
-          k_scales[i] = row_scale(kp + rows[i], D);
-          v_scales[i] = row_scale(vp + rows[i], D);
-        }
-      }
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
         const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, next_rows.data(),
-                            g0 + kHeadsPerPass >= G ? next_n : 0, k_scales.data(), v_scales.data(), probs16.data()};
+                            g0 + kHeadsPerPass >= G ? next_n : 0, probs16.data()};
         switch (std::min(kHeadsPerPass, G - g0)) {
           case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -245,9 +240,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   block_tables.stride(1) == 1 && context_lens.is_contiguous(),
               "paged_decode: block tables and context lengths must be int32 rows");
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q.size(2) + (int8_cache ? kScaleBytes : 0) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 &&
+  TORCH_CHECK((int8_cache ? int8_row_bytes(q.size(2)) : q.size(2)) == k_cache.size(3) &&
+                  (!int8_cache || q.size(2) % kGroup == 0) && q.size(1) % k_cache.size(2) == 0 &&
                   q.size(1) / k_cache.size(2) <= kMaxGroup,
-              "paged_decode: need head_dim equal and at most 8 query heads per KV head");
+              "paged_decode: need head_dim equal (int8 rows: D + D / 8) and at most 8 query heads per KV head");
   TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const at::ScalarType cache = k_cache.scalar_type();

@@ -41,15 +41,13 @@ struct TaskRows {
   bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
   const int64_t* next_rows;  // the thread's next task's row offsets (its K rows are fetched during this V sum)
   int64_t next_n;            // how many (0: no next task, or not this pass)
-  const float* k_scales;  // int8 caches: each row's scale (else null)
-  const float* v_scales;
   BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
 };
 
-// Bytes of a cache row of D values of C: int8 rows carry their fp32 scale after the codes.
+// Bytes of a cache row of D values of C: int8 rows carry their groups' scales after the codes.
 template <typename C, int64_t D>
 constexpr int64_t row_bytes() {
-  return D * int64_t(sizeof(C)) + (std::is_same_v<C, int8_t> ? kScaleBytes : 0);
+  return std::is_same_v<C, int8_t> ? int8_row_bytes(D) : D * int64_t(sizeof(C));
 }
 
 // Prefetch the K and V rows (row_bytes each) of the four tokens kPrefetch after token i, where they exist:

@@ -209,7 +209,7 @@ bool decode_by_sequence(const DecodeGeometry& geo, const BFloat16* qp, const BFl
       rows.swap(next_rows);
       next_n = b + 1 < end ? sequence_rows(b + 1, next_rows.data()) : 0;
       const TaskRows<BFloat16> t{kp, vp, rows.data(), n, scores.data(), L, true, next_rows.data(), next_n,
-                                 nullptr, nullptr, probs16.data()};
+                                 probs16.data()};
       switch (G) {
         case 1: sequence_task<D, 1>(geo, qp, op, b, fscale, t); break;
         case 2: sequence_task<D, 2>(geo, qp, op, b, fscale, t); break;

@@ -3,7 +3,7 @@
 // Built by kernels/cpu/native/build.py with AVX2 or AVX512 flags (CPU_CAPABILITY_* selects ATen's
 // Vectorized<float> width W = 8 or 16). Shapes follow kernels/reference.py:
 //   K/V cache per layer [num_blocks, block_size, Hkv, D] (rows of one token contiguous: stride(3) == 1);
-//   an int8 cache's rows are D codes and their fp32 scale, [.., D + 4] (kernels/kv_int8.py);
+//   an int8 cache's rows are D codes and an fp16 scale per 16 of them, [.., D + D / 8] (kernels/kv_int8.py);
 //   block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens held, the new one included).
 // Every op computes in fp32 and rounds to the tensor dtype (fp32 or bf16) where torch's eager ops
 // of the Python path round, so fp32 results match that path to the last bits or nearly.

@@ -1,6 +1,7 @@
 """The CI switch TOLLWAY_REQUIRE_SERVICES (tests/required.py): with it, a service fixture whose
-service is absent fails its test instead of skipping it, and any skip of a test not marked `gpu`
-fails the run; without it, the same tests skip with their reason in the summary.
+service is absent fails its test instead of skipping it, and any skip of a test not marked `gpu` or
+`cpu_isa` (hardware this machine may lack) fails the run; without it, the same tests skip with their
+reason in the summary.
 
 Each case runs a real pytest session in a subprocess, with tests/conftest.py as its plugin, on a
 small test file whose services point at a port where nothing listens."""
@@ -34,6 +35,11 @@ def test_skips_for_another_reason():
     pytest.skip("a reason that is no service")
 
 
+@pytest.mark.cpu_isa
+def test_needs_an_instruction_set():
+    pytest.skip("this CPU lacks it")
+
+
 @pytest.mark.gpu
 def test_needs_a_gpu():
     import torch
@@ -64,11 +70,11 @@ def run_session(tmp_path: Path, require: bool) -> subprocess.CompletedProcess[st
 def test_without_the_switch_missing_services_skip_with_their_reason(tmp_path: Path) -> None:
     done = run_session(tmp_path, require=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed, 4 skipped" in done.stdout
+    assert "1 passed, 5 skipped" in done.stdout
     assert "PostgreSQL is not running on 127.0.0.1:" in done.stdout and "Redis is not running" in done.stdout
 
 
-def test_with_the_switch_missing_services_fail_and_only_gpu_tests_may_skip(tmp_path: Path) -> None:
+def test_with_the_switch_missing_services_fail_and_only_hardware_tests_may_skip(tmp_path: Path) -> None:
     done = run_session(tmp_path, require=True)
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
@@ -76,8 +82,9 @@ def test_with_the_switch_missing_services_fail_and_only_gpu_tests_may_skip(tmp_p
         assert f"ERROR test_cases.py::{test} - Failed:" in out
     assert out.count(f"{REQUIRE_SERVICES}=1: a missing service or tool fails the test") >= 2
     assert "skips not allowed under TOLLWAY_REQUIRE_SERVICES=1" in out
-    assert "SKIPPED (only gpu tests may skip): test_cases.py::test_skips_for_another_reason" in out
-    assert "test_needs_a_gpu" not in out.split("skips not allowed")[1]  # a GPU skip is fine
+    assert "SKIPPED (only gpu and cpu_isa tests may skip): test_cases.py::test_skips_for_another_reason" in out
+    allowed = out.split("skips not allowed")[1]
+    assert "test_needs_a_gpu" not in allowed and "test_needs_an_instruction_set" not in allowed  # hardware skips
 
 
 def test_the_helper_skips_or_fails_on_a_closed_port(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -68,25 +68,34 @@ def test_triton_store_on_gpu_writes_exact_rows(dtype) -> None:
 
 def test_triton_int8_cache_on_gpu_stores_and_reads_as_the_cpu() -> None:
     """The int8 KV cache compiled for the GPU: store_kv writes kv_int8.quantize's bytes (fp32 division and
-    round-half-even on the device), decode reads them as the reference reads their dequantized copy."""
-    from kernels.kv_int8 import dequantize, quantize
+    round-half-even on the device, fp16 scales per 16 values), decode and extend read them as the reference
+    reads their dequantized copy."""
+    from kernels.kv_int8 import dequantize, quantize, row_width
     from kernels.triton import decode as triton_decode
+    from kernels.triton import extend as triton_extend
     from kernels.triton import store as triton_store
 
     torch.manual_seed(3)
     k, v = torch.randn(40, 3, 64) * 3, torch.randn(40, 3, 64)
-    k_cache = torch.zeros(8, 8, 3, 68, dtype=torch.int8, device=DEVICE)
+    width = row_width(64, torch.int8)  # 64 codes and four fp16 scales
+    k_cache = torch.zeros(8, 8, 3, width, dtype=torch.int8, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.arange(40, device=DEVICE)
     triton_store.store_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots)
-    assert torch.equal(k_cache.view(-1, 3, 68)[:40].cpu(), quantize(k))
-    assert torch.equal(v_cache.view(-1, 3, 68)[:40].cpu(), quantize(v))
+    assert torch.equal(k_cache.view(-1, 3, width)[:40].cpu(), quantize(k))
+    assert torch.equal(v_cache.view(-1, 3, width)[:40].cpu(), quantize(v))
     q = torch.randn(1, 9, 64, device=DEVICE)
     tables = torch.arange(5, dtype=torch.int32, device=DEVICE)[None]
     lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
     got = triton_decode.decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     expected = reference.decode_attention(q, dequantize(k_cache, torch.float32), dequantize(v_cache, torch.float32),
                                           tables, lens, 0.125)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    q_new = torch.randn(8, 9, 64, device=DEVICE)  # the last 8 tokens as one extend over the first 32
+    start = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    got = triton_extend.extend_attention(q_new, k_cache, v_cache, tables, start, lens, 0.125)
+    expected = reference.extend_attention(q_new, dequantize(k_cache, torch.float32), dequantize(v_cache, torch.float32),
+                                          tables, start, lens, 0.125)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -205,9 +205,36 @@ def _tiles_or_skip() -> None:
     if not native.load():
         unavailable(str(native.unavailable_reason()))
     if not native.tile_matmul_available():
-        pytest.skip("the tile kernels need AVX512-BF16")
+        pytest.skip("the tile kernels need AVX512-BF16 (this CPU: the test below)")
 
 
+@pytest.mark.cpu_isa
+def test_without_avx512_bf16_the_tile_ops_refuse_and_bf16_matmuls_keep_the_row_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU the tile kernels cannot run on: their ops refuse by name, and cpu_matmul over bf16 x in the
+    tile kernels' range of rows takes the other kernels, the product within the bf16 bound."""
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+    if native.tile_matmul_available():
+        pytest.skip("this CPU runs the tile kernels (the tests below)")
+    from kernels.quantized import cpu as qcpu
+
+    packed8 = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        torch.ops.tollway_cpu.int8_tile_matmul(torch.randn(2, 64).bfloat16(), packed8.weight, packed8.scales, 16)
+    weight = _weight(4, 64, 128, 32, seed=1)
+    packed = pack_for_cpu(weight, torch.bfloat16, "native")
+    calls: list[int] = []
+    monkeypatch.setattr(torch.ops.tollway_cpu, "int4_tile_matmul", lambda x, *a: calls.append(x.shape[0]))
+    x = torch.randn(qcpu.TILE_GEMM_MAX_ROWS, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = cpu_matmul(x, packed)
+    w = dequantize(weight)
+    bound = BOUND[torch.bfloat16] * (x.float().abs() @ w.abs().T) + 1e-6
+    assert calls == [] and out.dtype == torch.bfloat16
+    assert ((out.float() - F.linear(x.float(), w)).abs() <= bound).all()
+
+
+@pytest.mark.cpu_isa
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(13, 64), (99, 1536)])  # groups of 32 columns cut short; a long K
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 13, 40])  # passes of 6 rows of x and the rest
@@ -227,6 +254,7 @@ def test_tile_matmul_is_the_dequantized_weights_product(bits: int, n: int, k: in
     assert ((out.float() - expected).abs() <= bound).all()
 
 
+@pytest.mark.cpu_isa
 def test_cpu_matmul_takes_the_tile_kernel_between_the_crossover_and_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.quantized import cpu as qcpu
 
@@ -243,6 +271,7 @@ def test_cpu_matmul_takes_the_tile_kernel_between_the_crossover_and_its_limit(mo
     assert not qcpu.tile_matmul_fits(fp32, torch.randn(32, 128))  # fp32 models keep their float kernels
 
 
+@pytest.mark.cpu_isa
 def test_tile_matmul_refuses_fp32_x() -> None:
     _tiles_or_skip()
     packed = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")

@@ -63,7 +63,7 @@ def assert_native_step_equals_eager(model: LlamaForCausalLM, kv: KVStorage, tabl
                                     new_tokens: list[list[int]], dtype: torch.dtype) -> None:
     """Run one step of `new_tokens` (already appended to `tables`) on the `cpu` backend (eager layers) and
     on `native` (the fused ops), each from a copy of `kv`: same logits for every token (fp32 within 1e-4;
-    bf16 within bf16 rounding), the same argmax, the same K/V written."""
+    bf16 within bf16 rounding), the same argmax (bf16: off near-ties), the same K/V written."""
     input_ids = torch.tensor([t for tokens in new_tokens for t in tokens])
     results = []
     for backend in ("cpu", "native"):
@@ -84,7 +84,12 @@ def assert_native_step_equals_eager(model: LlamaForCausalLM, kv: KVStorage, tabl
     (eager, eager_kv), (fused, fused_kv) = results
     close = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
     torch.testing.assert_close(fused, eager, **close)
-    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    # The same argmax, but in bf16 not at a near-tie of eager's top two (closer than 0.01, a third of bf16's
+    # step at these logits; a 3e-4 tie of the tiny random model flipped): there, one of the two.
+    top2 = eager.float().topk(2, dim=-1)
+    tie = top2.values[:, 0] - top2.values[:, 1] < (0.0 if dtype == torch.float32 else 0.01)
+    assert torch.equal(fused.argmax(-1)[~tie], eager.argmax(-1)[~tie])
+    assert bool((top2.indices[tie] == fused.argmax(-1)[tie, None]).any(-1).all())
     for a, b in zip([*fused_kv.keys, *fused_kv.values], [*eager_kv.keys, *eager_kv.values], strict=True):
         if a.dtype == torch.int8:  # rows of codes and a scale: compare what they hold
             a, b = dequantize(a, torch.float32), dequantize(b, torch.float32)
