@@ -6,6 +6,8 @@ within `max_delay_s` (at most `max_batch` records) and inserts them all in ONE t
 `accounting.usage_commit.insert_records` (ON CONFLICT (request_id) DO NOTHING, so a retried
 request_id never makes a second row; multi-row, or COPY on PostgreSQL). A single writer is what
 SQLite in WAL mode wants, and it keeps PostgreSQL at one commit per batch instead of one per request.
+A caller with nothing else in flight may instead commit its own row on its thread while the writer
+thread is idle (`try_write_now`: the same transaction, on the same kept connection, under its lock).
 
 Durability when the database fails: the batch is appended to a local spool file (JSON lines,
 fsync'd, `accounting.usage_spool`) and the callers are told it is durable. Invariant: an
@@ -27,11 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
 from accounting.usage import UsageRecord
 from accounting.usage_commit import SUPPORTED_DIALECTS, StoredResponse, insert_records, store_responses
+from accounting.usage_connection import KeptConnection
 from accounting.usage_replay import SpoolReplay
 from accounting.usage_spool import UsageSpool, read_spooled
 from accounting.usage_waiters import Waiter, settle
@@ -45,8 +48,6 @@ _Item: TypeAlias = tuple[UsageRecord, Waiter]
 """A queued record and who waits for it: submit()'s future, or write()'s future on its event loop."""
 _BAD_ROW_ERRORS = (IntegrityError, DataError)
 """Errors that condemn a row, not the database: retrying cannot help, so they are not spooled."""
-_IDLE_CONNECTION_S = 30.0
-"""A writer connection unused this long is closed and a fresh one checked out (pinged) instead."""
 
 
 @dataclass
@@ -94,9 +95,8 @@ class UsageWriter:
         # request_id → the response to store in the same transaction as its row (see StoredResponse).
         # Filled by callers before queueing, drained by the writer thread; dict ops are atomic.
         self._responses: dict[str, StoredResponse] = {}
-        # The writer thread's own connection (see _writer_connection); only that thread touches it.
-        self._connection: Connection | None = None
-        self._connection_used_at = 0.0
+        # The connection every transaction runs on, under its lock: the writer thread's, or an inline commit's.
+        self._kept = KeptConnection(engine)
 
     def spooled(self) -> list[UsageRecord]:
         """Rows in the spool (durable, perhaps not committed yet), read from any thread."""
@@ -139,6 +139,36 @@ class UsageWriter:
         self._enqueue(record, future)
         await future
 
+    def try_write_now(self, record: UsageRecord, stored: StoredResponse | None = None) -> bool:
+        """Commit `record` (and `stored`) on the calling thread if the writer thread is idle and the
+        database healthy: True once the row is committed; False, having written nothing, when the
+        caller should `write()` instead (the writer busy or behind, the database down, or this commit
+        failing: `write()` then retries it and spools it if need be). Raises as `write()` would for a
+        row the database refuses.
+
+        For a caller with nothing else to do meanwhile (the gateway with one request in flight): it
+        saves the two thread handoffs of `write()`, and blocks the calling thread for the commit.
+        """
+        if not self._replay.db_healthy or not self._queue.empty() or not self._kept.lock.acquire(blocking=False):
+            return False
+        try:
+            with self._state_lock:
+                if not self._started or self._closed:
+                    return False
+            if stored is not None:
+                self._responses[record.request_id] = stored
+            try:
+                bad = self._insert_all([record])
+            except Exception as error:
+                log.debug("inline usage commit failed, handing the row to the writer thread: %s", error)
+                return False
+        finally:
+            self._kept.lock.release()
+        if record.request_id in bad:
+            raise bad[record.request_id]
+        self._count("rows_written", 1)
+        return True
+
     def _enqueue(self, record: UsageRecord, waiter: Waiter) -> None:
         if not isinstance(record, UsageRecord):
             raise TypeError(f"expected a UsageRecord, got {type(record).__name__}")
@@ -175,7 +205,8 @@ class UsageWriter:
             log.exception("the usage writer thread failed")
             raise
         finally:
-            self._close_connection()
+            with self._kept.lock:
+                self._kept.close()
             with self._state_lock:
                 self._closed = True
             # Only after a crash can anything be left; its callers must not wait forever.
@@ -197,8 +228,10 @@ class UsageWriter:
                 stopping = True
             elif item is not None:
                 batch, stopping = self._gather(item)
-                self._write_batch(batch)
-            self._replay.run_if_due(stopping=stopping)
+                with self._kept.lock:
+                    self._write_batch(batch)
+            with self._kept.lock:
+                self._replay.run_if_due(stopping=stopping)
 
     def _next_item(self) -> Any:
         """The next queued item; None when it is time to replay the spool instead."""
@@ -231,10 +264,11 @@ class UsageWriter:
         return batch, False
 
     def _insert(self, records: list[UsageRecord]) -> None:
-        """Insert `records` in one transaction (the only place that writes to the database)."""
+        """Insert `records` in one transaction (the only place that writes to the database; under the
+        kept connection's lock, on the writer thread or in `try_write_now`)."""
         started = time.perf_counter()
         stored = [r for r in (self._responses.get(record.request_id) for record in records) if r is not None]
-        connection = self._writer_connection(started)
+        connection = self._kept.get(started)
         try:
             with connection.begin():
                 insert_records(connection, records)
@@ -243,34 +277,15 @@ class UsageWriter:
         except _BAD_ROW_ERRORS:
             raise
         except BaseException:
-            self._close_connection()  # perhaps broken: the next batch checks out a fresh one
+            self._kept.close()  # perhaps broken: the next batch checks out a fresh one
             raise
-        self._connection_used_at = time.perf_counter()
+        self._kept.used(time.perf_counter())
         for record in records:
             self._responses.pop(record.request_id, None)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         with self._stats_lock:
             self._stats.transactions += 1
             self._stats.last_commit_ms = elapsed_ms
-
-    def _writer_connection(self, now: float) -> Connection:
-        """The writer thread's connection, kept from batch to batch: a checkout and checkin per batch
-        (the pool's reset rollback, PostgreSQL's pre-ping round trip) cost as much as a small batch's
-        insert. One idle for `_IDLE_CONNECTION_S` is replaced, so a server that dropped it meanwhile
-        is pinged at checkout instead of failing a batch into the spool."""
-        if self._connection is not None and now - self._connection_used_at > _IDLE_CONNECTION_S:
-            self._close_connection()
-        if self._connection is None:
-            self._connection = self._engine.connect()
-        return self._connection
-
-    def _close_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            try:
-                connection.close()
-            except Exception as error:  # a dead connection may fail even to close
-                log.debug("closing the usage writer's connection failed: %s", error)
 
     def _insert_all(self, records: list[UsageRecord]) -> dict[str, Exception]:
         """Insert `records`, each on its own if a bad row (unknown tenant...) spoils the batch.

@@ -97,10 +97,14 @@ class RequestMeter:
             finished_at=datetime.now(UTC), batch_id=self.batch_id, route=self.route)
 
     async def finish(self, writer: UsageWriter, status: str, claim: Claim | None = None,
-                     response: tuple[int, str, bytes] | None = None) -> None:
-        """Write the usage row (and the idempotent response) and wait until it is durable."""
+                     response: tuple[int, str, bytes] | None = None, *, inline: bool = False) -> None:
+        """Write the usage row (and the idempotent response) and wait until it is durable; `inline`:
+        committed on this thread if the writer is idle (`UsageWriter.try_write_now`), which blocks the
+        event loop for the commit (for a caller with nothing else in flight)."""
         stored = None
         if claim is not None and response is not None:
             stored = StoredResponse(claim.tenant_id, claim.key, *response)
-        await writer.write(self.record(status), stored)
+        record = self.record(status)
+        if not (inline and writer.try_write_now(record, stored)):
+            await writer.write(record, stored)
         self.status = status

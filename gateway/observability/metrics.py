@@ -57,6 +57,9 @@ class GatewayMetrics:
                                   ["tenant", "reason"], registry=registry)
         self.in_flight = Gauge("tollway_requests_in_flight", "Completion requests being answered now",
                                ["model"], registry=registry)
+        self.answering = 0
+        """Completion requests this process answers now, every model: the in_flight gauge's sum (kept by
+        gateway/openai/views.py beside it). Billing commits inline when it is 1 (gateway/upstream/exchange.py)."""
         self.live = LiveStats()
 
         # Labelled children by (metric, label values): `labels()` validates and hashes its arguments

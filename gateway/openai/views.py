@@ -94,12 +94,15 @@ async def generation(request: web.Request, kind: GenerationKind, route: str) -> 
         exchange = Exchange(request, params, entry.name, namespace_of(caller), parsed.prompt,
                             worker_body(parsed, caller, meter.started_at, route),
                             _builder(route, parsed, int(time.time())), meter, claim, telemetry.tenant)
-        in_flight = app[METRICS].in_flight.labels(entry.name)
+        metrics = app[METRICS]
+        in_flight = metrics.in_flight.labels(entry.name)
         in_flight.inc()
+        metrics.answering += 1
         try:
             return await (exchange.respond_stream() if params.stream else exchange.respond_json())
         finally:
             in_flight.dec()
+            metrics.answering -= 1
             if admission is not None:
                 await admission.settle(meter.total_tokens())
     finally:

@@ -15,12 +15,12 @@ import pytest
 from sqlalchemy import Engine, event, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from accounting import usage_commit, usage_writer
+from accounting import usage_commit, usage_connection, usage_writer
 from accounting.db import create_db_engine, session_factory, upgrade_database
-from accounting.models import UsageEvent
+from accounting.models import IdempotentResponse, UsageEvent
 from accounting.tenants import create_tenant
 from accounting.usage import FIELD_NAMES, UsageRecord
-from accounting.usage_commit import insert_records
+from accounting.usage_commit import StoredResponse, insert_records
 from accounting.usage_writer import UsageWriter
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678_000, tzinfo=UTC)
@@ -306,8 +306,48 @@ async def test_the_writer_keeps_its_connection_and_replaces_a_failed_or_idle_one
     wait_for(lambda: count(engine) == 6)
     assert checkouts.count == 2
 
-    monkeypatch.setattr(usage_writer, "_IDLE_CONNECTION_S", 0.0)
+    monkeypatch.setattr(usage_connection, "IDLE_S", 0.0)
     await writer.write(record(6))
     await writer.write(record(7))
     assert checkouts.count == 4  # each found the last one idle too long
     assert set(stored(engine)) == {f"req-{n}" for n in range(8)}
+
+
+def test_an_idle_writer_lets_the_caller_commit_its_row_now(engine: Engine, writers) -> None:
+    """try_write_now: committed on the calling thread (the writer thread's queue untouched), with its
+    stored response in the same transaction; a row the database refuses raises as write() would."""
+    writer = writers()
+    with session_factory(engine).begin() as session:  # the request's claim of its Idempotency-Key
+        session.add(IdempotentResponse(tenant_id=1, key="idem-1", request_hash="h", request_id="req-1"))
+    committed_on: list[str] = []
+    event.listen(engine, "commit", lambda _: committed_on.append(threading.current_thread().name))
+    response = StoredResponse(1, "idem-1", 200, "application/json", b'{"ok": true}')
+    assert writer.try_write_now(record(1), response)
+    assert committed_on == [threading.current_thread().name] and writer._queue.empty()
+    assert stored(engine) == {"req-1": record(1)} and writer.stats().rows_written == 1
+    with session_factory(engine)() as session:
+        assert session.scalars(select(IdempotentResponse.body)).one() == b'{"ok": true}'
+    assert writer.try_write_now(record(1, completion_tokens=999))  # a retry: still one row, the first
+    assert stored(engine)["req-1"] == record(1)
+    with pytest.raises(IntegrityError):  # unknown tenant
+        writer.try_write_now(record(2, tenant_id=99))
+    assert count(engine) == 1
+
+
+def test_a_busy_or_failing_database_leaves_the_row_to_write(engine: Engine, spool: Path, writers) -> None:
+    """False, having written nothing, while the writer thread holds the connection, after the database
+    failed (write() then spools the row) or once the writer is closed."""
+    writer = writers()
+    with writer._kept.lock:  # the writer thread in a batch
+        assert not writer.try_write_now(record(1))
+    assert count(engine) == 0
+    flaky = FlakyInsert(writer)
+    writer._insert = flaky  # type: ignore[method-assign]
+    assert not writer.try_write_now(record(2)) and flaky.failures == 1
+    writer.submit(record(2)).result(timeout=10)  # the fallback: spooled by the writer thread
+    assert not writer.try_write_now(record(3))  # the database is marked down: straight to write()
+    assert flaky.failures == 2 and [UsageRecord.from_json(line) for line in spool_lines(spool)] == [record(2)]
+    flaky.up.set()
+    wait_for(lambda: count(engine) == 1)  # replayed
+    writer.close(timeout=10)
+    assert not writer.try_write_now(record(4))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from sqlalchemy import select
 
 from accounting.db import create_db_engine, session_factory
 from accounting.models import UsageEvent
-from gateway.state import POOL
+from gateway.state import POOL, WRITER
 from ops.fake_worker import FakeWorker, create_fake_worker_app
 from tests.unit.gateway.test_gateway_api import MODEL, chat, make_tenant_key, sse_events, start_gateway
 
@@ -163,3 +164,27 @@ async def test_a_client_gone_before_the_first_token_stops_the_worker_and_is_bill
     [row] = rows
     assert row.status == "client_disconnected" and row.completion_tokens < 50
     assert not worker.running
+
+
+async def test_a_request_alone_commits_its_row_inline_and_concurrent_ones_on_the_writer(
+        aiohttp_client, aiohttp_server, tmp_path) -> None:
+    """With one request in flight the gateway commits its usage row on the event loop's thread (no handoff to
+    the writer thread and back); while others are in flight, the writer thread's group commit takes it."""
+    worker = FakeWorker(delay_s=0.05)  # three lines of 50 ms: concurrent requests overlap
+    client, auth, _ = await gateway_for(aiohttp_client, aiohttp_server, tmp_path, worker)
+    writer = client.server.app[WRITER]
+    committed_on: list[str] = []
+    insert = writer._insert
+
+    def recording(records):
+        insert(records)
+        committed_on.extend(threading.current_thread().name for _ in records)
+
+    writer._insert = recording
+    assert (await client.post("/v1/chat/completions", headers=auth, json=chat())).status == 200
+    assert committed_on == [threading.current_thread().name]
+    committed_on.clear()
+    answers = await asyncio.gather(*(client.post("/v1/chat/completions", headers=auth, json=chat()) for _ in range(3)))
+    assert [a.status for a in answers] == [200] * 3
+    assert len(committed_on) == 3 and "usage-writer" in committed_on  # the first to finish had company
+    assert len(usage_rows(tmp_path)) == 4
