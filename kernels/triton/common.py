@@ -59,8 +59,8 @@ def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
                  stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 QUANT: tl.constexpr):
-    """[tokens, dims] of one KV head, each token found through its sequence's block table. QUANT: an int8
+                 QUANT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[tokens, dims] ([BLOCK_T, BLOCK_D]) of one KV head, each token found through its sequence's block table. QUANT: an int8
     cache (kernels/kv_int8.py), whose rows are HEAD_DIM codes and then an fp16 scale per KV_GROUP of them:
     returns codes * their group's scale in fp32 (the caller rounds it to its compute dtype)."""
     blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
@@ -70,9 +70,12 @@ def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
     # One return, the branches assigning it: Triton compiles both returns of an early `return` and
     # refuses their different types (fp32 and int8), where the interpreter runs only the one taken.
     if QUANT:  # the scales follow the codes, 2-byte aligned (HEAD_DIM is a multiple of KV_GROUP)
-        scale_ptrs = (rows + HEAD_DIM).to(tl.pointer_type(tl.float16)) + (dims // KV_GROUP)[None, :]
-        scales = tl.load(scale_ptrs, mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
-        tile = values.to(tl.float32) * scales.to(tl.float32)
+        groups = tl.arange(0, BLOCK_D // KV_GROUP)
+        scale_ptrs = (rows + HEAD_DIM).to(tl.pointer_type(tl.float16)) + groups[None, :]
+        scales = tl.load(scale_ptrs, mask=token_ok[:, None] & (groups < HEAD_DIM // KV_GROUP)[None, :], other=0.0)
+        spread = tl.reshape(tl.broadcast_to(scales.to(tl.float32)[:, :, None], [BLOCK_T, BLOCK_D // KV_GROUP, KV_GROUP]),
+                            [BLOCK_T, BLOCK_D])  # each dim's group's scale: one load per group, not per value
+        tile = values.to(tl.float32) * spread
     else:
         tile = values
     return tile

@@ -67,9 +67,9 @@ def _decode_split_kernel(
         tokens = tile + tl.arange(0, BLOCK_N)
         token_ok = tokens < end
         k = load_kv_tile(k_cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
-                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT, BLOCK_N, BLOCK_D)
         v = load_kv_tile(v_cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
-                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT, BLOCK_N, BLOCK_D)
         if QUANT:  # dequantized in fp32, then in q's dtype as a cache of the model's dtype would hold them
             k = k.to(q.dtype)
             v = v.to(q.dtype)

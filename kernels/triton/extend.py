@@ -70,9 +70,9 @@ def _extend_kernel(
         keys_pos = tile + tl.arange(0, BLOCK_N)
         key_ok = keys_pos < hi
         k = load_kv_tile(k_cache_ptr, table_row, keys_pos, key_ok, dims, dim_ok, kv_head,
-                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+                         stride_k_block, stride_k_slot, stride_k_head, BLOCK_SIZE, HEAD_DIM, QUANT, BLOCK_N, BLOCK_D)
         v = load_kv_tile(v_cache_ptr, table_row, keys_pos, key_ok, dims, dim_ok, kv_head,
-                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT)
+                         stride_v_block, stride_v_slot, stride_v_head, BLOCK_SIZE, HEAD_DIM, QUANT, BLOCK_N, BLOCK_D)
         if QUANT:  # dequantized in fp32, then in q's dtype as a cache of the model's dtype would hold them
             k = k.to(q.dtype)
             v = v.to(q.dtype)
