@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
@@ -28,6 +32,7 @@ class KeptConnection:
         self._engine = engine
         self._connection: Connection | None = None
         self._used_at = 0.0
+        self._busy_timeout_ms: int | None = None  # to restore after `failing_fast` (None: nothing to restore)
 
     def get(self, now: float) -> Connection:
         """The kept connection (a fresh one at first, after `close`, or after IDLE_S unused)."""
@@ -43,9 +48,38 @@ class KeptConnection:
 
     def close(self) -> None:
         """Drop the connection (after a failure it may be broken; the next `get` checks out a fresh one)."""
+        self._wait_again()  # the pool may hand it to anyone next
         connection, self._connection = self._connection, None
         if connection is not None:
             try:
                 connection.close()
             except Exception as error:  # a dead connection may fail even to close
                 log.debug("closing the usage writer's connection failed: %s", error)
+
+    @contextmanager
+    def failing_fast(self) -> Iterator[None]:
+        """SQLite: within the block, a database another process is writing fails at once (SQLITE_BUSY)
+        instead of waiting up to the driver's busy timeout; afterwards, or when the connection is closed
+        within the block (it goes back to the pool), it waits again."""
+        driver = self._driver(self.get(time.perf_counter()))
+        self._busy_timeout_ms = int(driver.execute("PRAGMA busy_timeout").fetchone()[0])
+        driver.execute("PRAGMA busy_timeout = 0")
+        try:
+            yield
+        finally:
+            self._wait_again()
+
+    def _wait_again(self) -> None:
+        waits, self._busy_timeout_ms = self._busy_timeout_ms, None
+        if waits is not None and self._connection is not None:
+            try:
+                self._driver(self._connection).execute(f"PRAGMA busy_timeout = {waits}")
+            except Exception as error:  # a broken connection: the pool discards it
+                log.debug("restoring the busy timeout failed: %s", error)
+
+    @staticmethod
+    def _driver(connection: Connection) -> Any:
+        """The DB-API connection under `connection` (sqlite3's here)."""
+        driver = connection.connection.driver_connection
+        assert driver is not None  # a checked-out connection always has one
+        return driver

@@ -140,16 +140,18 @@ class UsageWriter:
         await future
 
     def try_write_now(self, record: UsageRecord, stored: StoredResponse | None = None) -> bool:
-        """Commit `record` (and `stored`) on the calling thread if the writer thread is idle and the
-        database healthy: True once the row is committed; False, having written nothing, when the
-        caller should `write()` instead (the writer busy or behind, the database down, or this commit
-        failing: `write()` then retries it and spools it if need be). Raises as `write()` would for a
-        row the database refuses.
+        """Commit `record` (and `stored`) on the calling thread if the database is SQLite, healthy and
+        not being written by another process, and the writer thread idle: True once the row is
+        committed; False, having written nothing, when the caller should `write()` instead (the writer
+        busy or behind, the database down, locked or not SQLite, or this commit failing: `write()` then
+        retries it and spools it if need be). Raises as `write()` would for a row the database refuses.
 
         For a caller with nothing else to do meanwhile (the gateway with one request in flight): it
-        saves the two thread handoffs of `write()`, and blocks the calling thread for the commit.
+        saves the two thread handoffs of `write()`, and blocks the calling thread for the commit (a
+        local fsync; never a wait on a network or on another process's lock: those go to `write()`).
         """
-        if not self._replay.db_healthy or not self._queue.empty() or not self._kept.lock.acquire(blocking=False):
+        if self._engine.dialect.name != "sqlite" or not self._replay.db_healthy or not self._queue.empty() \
+                or not self._kept.lock.acquire(blocking=False):
             return False
         try:
             with self._state_lock:
@@ -158,7 +160,8 @@ class UsageWriter:
             if stored is not None:
                 self._responses[record.request_id] = stored
             try:
-                bad = self._insert_all([record])
+                with self._kept.failing_fast():
+                    bad = self._insert_all([record])
             except Exception as error:
                 log.debug("inline usage commit failed, handing the row to the writer thread: %s", error)
                 return False

@@ -144,3 +144,13 @@ async def test_every_field_round_trips_through_copy(engine: Engine, writer: Usag
         rows = {row.request_id: UsageRecord(**{name: getattr(row, name) for name in FIELD_NAMES})
                 for row in session.scalars(select(UsageEvent))}
     assert rows == {odd.request_id: odd, plain.request_id: plain}
+
+
+def test_rows_are_never_committed_inline_on_postgresql(engine: Engine, writer: UsageWriter) -> None:
+    """try_write_now is for SQLite's local commit: a server's round trips (or a stuck server) must not
+    block the caller's event loop, so PostgreSQL rows always go to the writer thread."""
+    tenant = tenant_id(engine)
+    assert not writer.try_write_now(record(tenant, "req-inline", 1))
+    writer.submit(record(tenant, "req-inline", 1)).result(timeout=30)
+    with engine.connect() as connection:
+        assert connection.scalar(select(func.count()).select_from(UsageEvent)) == 1

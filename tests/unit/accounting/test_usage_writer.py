@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -351,3 +352,23 @@ def test_a_busy_or_failing_database_leaves_the_row_to_write(engine: Engine, spoo
     wait_for(lambda: count(engine) == 1)  # replayed
     writer.close(timeout=10)
     assert not writer.try_write_now(record(4))
+
+
+def test_a_database_another_process_is_writing_is_not_waited_for_inline(engine: Engine, tmp_path: Path,
+                                                                        writers) -> None:
+    """SQLite locked by another writer: try_write_now gives up at once (the caller's event loop must not
+    wait out the busy timeout) and leaves the row to write(); the kept connection waits again afterwards."""
+    writer = writers()
+    assert writer.try_write_now(record(1))  # the kept connection exists
+    other = sqlite3.connect(tmp_path / "tollway.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # holds the write lock
+    started = time.perf_counter()
+    assert not writer.try_write_now(record(2))
+    assert time.perf_counter() - started < 1.0  # the driver's busy timeout is 5 s
+    other.execute("ROLLBACK")
+    other.close()
+    assert writer.try_write_now(record(3))
+    busy_ms = writer._kept.get(time.perf_counter()).connection.driver_connection.execute("PRAGMA busy_timeout")
+    assert busy_ms.fetchone()[0] == 5000
+    writer.submit(record(2)).result(timeout=10)
+    assert set(stored(engine)) == {"req-1", "req-2", "req-3"}
