@@ -32,7 +32,8 @@ class KeptConnection:
         self._engine = engine
         self._connection: Connection | None = None
         self._used_at = 0.0
-        self._busy_timeout_ms: int | None = None  # to restore after `failing_fast` (None: nothing to restore)
+        self._busy_timeout_ms: int | None = None  # SQLite's, as this engine's connections start (read once)
+        self._failing_fast = False  # the kept connection's busy timeout is 0 until `_wait_again`
 
     def get(self, now: float) -> Connection:
         """The kept connection (a fresh one at first, after `close`, or after IDLE_S unused)."""
@@ -62,20 +63,22 @@ class KeptConnection:
         instead of waiting up to the driver's busy timeout; afterwards, or when the connection is closed
         within the block (it goes back to the pool), it waits again."""
         driver = self._driver(self.get(time.perf_counter()))
-        self._busy_timeout_ms = int(driver.execute("PRAGMA busy_timeout").fetchone()[0])
+        if self._busy_timeout_ms is None:  # every connection of the engine starts with the same
+            self._busy_timeout_ms = int(driver.execute("PRAGMA busy_timeout").fetchone()[0])
         driver.execute("PRAGMA busy_timeout = 0")
+        self._failing_fast = True
         try:
             yield
         finally:
             self._wait_again()
 
     def _wait_again(self) -> None:
-        waits, self._busy_timeout_ms = self._busy_timeout_ms, None
-        if waits is not None and self._connection is not None:
+        if self._failing_fast and self._connection is not None:
             try:
-                self._driver(self._connection).execute(f"PRAGMA busy_timeout = {waits}")
+                self._driver(self._connection).execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
             except Exception as error:  # a broken connection: the pool discards it
                 log.debug("restoring the busy timeout failed: %s", error)
+        self._failing_fast = False
 
     @staticmethod
     def _driver(connection: Connection) -> Any:

@@ -73,12 +73,17 @@ def load_kv_tile(cache_ptr, table_row, tokens, token_ok, dims, dim_ok, kv_head,
         groups = tl.arange(0, BLOCK_D // KV_GROUP)
         scale_ptrs = (rows + HEAD_DIM).to(tl.pointer_type(tl.float16)) + groups[None, :]
         scales = tl.load(scale_ptrs, mask=token_ok[:, None] & (groups < HEAD_DIM // KV_GROUP)[None, :], other=0.0)
-        spread = tl.reshape(tl.broadcast_to(scales.to(tl.float32)[:, :, None], [BLOCK_T, BLOCK_D // KV_GROUP, KV_GROUP]),
-                            [BLOCK_T, BLOCK_D])  # each dim's group's scale: one load per group, not per value
-        tile = values.to(tl.float32) * spread
+        tile = values.to(tl.float32) * spread_groups(scales.to(tl.float32), BLOCK_T, BLOCK_D)  # a load per group
     else:
         tile = values
     return tile
+
+
+@triton.jit
+def spread_groups(per_group, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[ROWS, BLOCK_D // KV_GROUP] values of an int8 row's groups -> [ROWS, BLOCK_D]: each dim gets its group's."""
+    spread = tl.broadcast_to(per_group[:, :, None], [ROWS, BLOCK_D // KV_GROUP, KV_GROUP])
+    return tl.reshape(spread, [ROWS, BLOCK_D])
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_int8 import QMAX, is_int8
-from kernels.triton.common import KV_GROUP, check_last_dim_contiguous, round_half_even
+from kernels.triton.common import KV_GROUP, check_last_dim_contiguous, round_half_even, spread_groups
 
 
 @triton.jit
@@ -24,9 +24,8 @@ def _store_rows(cache_ptr, x, heads, dims, mask, head_ok, HEAD_DIM: tl.constexpr
         stored = scale.to(tl.float32)
         safe = tl.where(stored > 0.0, stored, 1.0)  # a group of zeros: codes 0, scale 0
         inverse = tl.where(stored > 0.0, tl.math.div_rn(tl.full(stored.shape, 1.0, tl.float32), safe), 0.0)
-        spread = tl.reshape(tl.broadcast_to(inverse[:, :, None], [BLOCK_H, BLOCK_D // KV_GROUP, KV_GROUP]),
-                            [BLOCK_H, BLOCK_D])  # each dim's group's inverse
-        codes = tl.minimum(tl.maximum(round_half_even(xf * spread), -QMAX * 1.0), QMAX * 1.0)
+        codes = tl.minimum(tl.maximum(round_half_even(xf * spread_groups(inverse, BLOCK_H, BLOCK_D)), -QMAX * 1.0),
+                           QMAX * 1.0)
         tl.store(cache_ptr + heads + dims, codes.to(tl.int8), mask=mask)
         group = tl.arange(0, BLOCK_D // KV_GROUP)[None, :]
         scale_ptrs = (cache_ptr + heads + HEAD_DIM).to(tl.pointer_type(tl.float16)) + group  # [heads, groups]
