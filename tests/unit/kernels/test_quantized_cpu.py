@@ -20,6 +20,7 @@ from kernels.quantized.cpu import (
 )
 from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 from tests.required import unavailable
+from workers.precision import cpu_flags
 
 # Relative to sum_k |x_k w_nk|, a bound on any summation order's rounding: fp32 accumulation, plus
 # in bf16 the output's rounding (2^-9) and, for torch's kernel, the scales' (and zeros') rounding to bf16.
@@ -201,10 +202,17 @@ def test_native_dequantize_is_the_layout_s_dequantize(dtype: torch.dtype, bits: 
     assert got.dtype == dtype and torch.equal(got, dequantize(weight, dtype))
 
 
+def _tiles_expected() -> bool:
+    """Whether this machine must run the tile kernels: the library built for AVX512 (torch's CPU capability)
+    on a CPU whose flags list AVX512-BF16. Where it must, their being unavailable is a failure, not a skip."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and "avx512_bf16" in cpu_flags()
+
+
 def _tiles_or_skip() -> None:
     if not native.load():
         unavailable(str(native.unavailable_reason()))
     if not native.tile_matmul_available():
+        assert not _tiles_expected(), "this CPU has AVX512-BF16, yet the tile kernels are unavailable"
         pytest.skip("the tile kernels need AVX512-BF16 (this CPU: the test below)")
 
 
@@ -217,6 +225,7 @@ def test_without_avx512_bf16_the_tile_ops_refuse_and_bf16_matmuls_keep_the_row_k
         unavailable(str(native.unavailable_reason()))
     if native.tile_matmul_available():
         pytest.skip("this CPU runs the tile kernels (the tests below)")
+    assert not _tiles_expected(), "this CPU has AVX512-BF16, yet the tile kernels are unavailable"
     from kernels.quantized import cpu as qcpu
 
     packed8 = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")
