@@ -5,6 +5,8 @@ inline on that loop where Celery would run them."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -30,15 +32,30 @@ from workers.jobs.runner import BatchStep, RunnerConfig
 
 
 class InlineRunner:
-    """A dispatcher that runs the batch's steps on the system's loop until it ends."""
+    """A dispatcher that runs the batch's steps on the system's loop until it ends.
+
+    `stop()` cancels the batches still running: Celery's runner lives in its own process, so one left
+    here would share the gateway's loop and thread pool while the gateway shuts down (a test that
+    ends before its batch would then time its teardown against the runner's retries)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, home: Path, gateway_url: str) -> None:
         self.loop, self.gateway_url = loop, gateway_url
         self.sessions = session_factory(create_db_engine(f"sqlite:///{home}/tollway.db"))
         self.store = LocalFileStore(home / "files")
+        self.running: set[asyncio.Task[None]] = set()
 
     def dispatch(self, batch_id: str) -> None:
-        asyncio.run_coroutine_threadsafe(self._run(batch_id), self.loop)
+        asyncio.run_coroutine_threadsafe(self._start(batch_id), self.loop)
+
+    async def _start(self, batch_id: str) -> None:
+        task = asyncio.create_task(self._run(batch_id))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def stop(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
 
     async def _run(self, batch_id: str) -> None:
         config = RunnerConfig(gateway_url=self.gateway_url, admin_key=ADMIN, concurrency=4)
@@ -65,6 +82,7 @@ def system(tmp_path: Path) -> Iterator[System]:
     worker_port, gateway_port = free_port(), free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     runners: list[web.AppRunner] = []
+    batches = InlineRunner(loop, tmp_path, gateway_url)
 
     async def start() -> None:
         worker = web.AppRunner(create_fake_worker_app(FakeWorker(context_length=256, delay_s=0.01)))
@@ -73,7 +91,7 @@ def system(tmp_path: Path) -> Iterator[System]:
         settings = GatewaySettings(home=tmp_path, worker_secret=FAKE_WORKER_SECRET, worker_urls=f"http://127.0.0.1:{worker_port}", admin_key=ADMIN,
                                    health_interval_s=0.2)
         app = create_app(settings)
-        app[BATCH_DISPATCHER] = InlineRunner(loop, tmp_path, gateway_url)
+        app[BATCH_DISPATCHER] = batches
         gateway = web.AppRunner(app)
         await gateway.setup()
         await web.TCPSite(gateway, "127.0.0.1", gateway_port).start()
@@ -88,10 +106,21 @@ def system(tmp_path: Path) -> Iterator[System]:
         yield System(gateway_url, key, other)
     finally:
         async def stop() -> None:
+            await batches.stop()
             for runner in runners:
                 await runner.cleanup()
 
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        except TimeoutError:  # say where it hangs: the loop's tasks and every thread's stack
+            stacks = io.StringIO()
+            for task in asyncio.all_tasks(loop):
+                task.print_stack(file=stacks)
+            with open(tmp_path / "threads.txt", "w+") as threads:
+                faulthandler.dump_traceback(threads)
+                threads.seek(0)
+                stacks.write(threads.read())
+            raise TimeoutError(f"stopping the gateway and the worker took over 30 s:\n{stacks.getvalue()}") from None
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
 
