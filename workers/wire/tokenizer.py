@@ -16,6 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from workers.wire.chatml import ChatML
 from workers.wire.token_segments import SegmentEncoder
 
 
@@ -40,6 +41,9 @@ class TextTokenizer:
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._chatml: ChatML | None = None  # the template written without Jinja (workers/wire/chatml.py)
+        if chat_template is not None:
+            self._chatml = ChatML.recognize(chat_template, lambda messages, prompt: self._render_jinja(messages, prompt))
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> TextTokenizer:
@@ -75,6 +79,13 @@ class TextTokenizer:
         (OpenAI function definitions) reach templates that render them."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        if self._chatml is not None and tools is None and ChatML.renders(messages):
+            return self._chatml.render(messages, add_generation_prompt)
+        return self._render_jinja(messages, add_generation_prompt, tools)
+
+    def _render_jinja(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> str:
+        assert self.chat_template is not None
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
