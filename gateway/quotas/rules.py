@@ -19,10 +19,22 @@ from gateway.quotas.store import WINDOW_S, Decision, Limits, Reason, Ticket
 CONCURRENCY_RETRY_S = 1.0  # what Retry-After says when only the concurrency limit refused
 
 
+_last_month = (0, 0, 0)  # (first epoch second, first second of the next month, YYYYMM) last computed
+
+
 def utc_month(second: float) -> int:
     """The UTC calendar month of an epoch second, as YYYYMM."""
-    when = datetime.fromtimestamp(math.floor(second), UTC)
-    return when.year * 100 + when.month
+    global _last_month
+    whole = math.floor(second)
+    first, following, month = _last_month  # one tuple: threads see the old span or the new, whole
+    if first <= whole < following:
+        return month
+    when = datetime.fromtimestamp(whole, UTC)
+    start = datetime(when.year, when.month, 1, tzinfo=UTC)
+    after = datetime(when.year + when.month // 12, when.month % 12 + 1, 1, tzinfo=UTC)
+    month = when.year * 100 + when.month
+    _last_month = (int(start.timestamp()), int(after.timestamp()), month)
+    return month
 
 
 def previous_month(month: int) -> int:
@@ -61,11 +73,19 @@ def window(buckets: dict[int, int], now: float, extra: int, limit: int | None) -
 
     The wait is 0 when it fits now and -1 when it never can (`extra > limit`). The Lua admit script
     (gateway/quotas/lua/admit.lua) computes exactly this."""
+    # Every admission scans up to WINDOW_S buckets: the common cases (nothing out of the window, no
+    # bucket refunded to 0) are found by min/max in C before any loop in Python.
     oldest = math.floor(now) - WINDOW_S + 1
-    for second in [s for s in buckets if s < oldest]:
-        del buckets[second]
+    if buckets and min(buckets) < oldest:
+        for second in [s for s in buckets if s < oldest]:
+            del buckets[second]
     used = sum(buckets.values())
-    newest = max((s for s, n in buckets.items() if n > 0), default=-1)
+    if not buckets:
+        newest = -1
+    elif min(buckets.values()) > 0:
+        newest = max(buckets)
+    else:
+        newest = max((s for s, n in buckets.items() if n > 0), default=-1)
     if limit is None or used + extra <= limit:
         return used, 0.0, newest
     left = used

@@ -81,7 +81,8 @@ class Exchange:
             if not loads:
                 break
             with app[TRACING].span("gateway.route", {"tollway.route.candidates": len(loads)}) as span:
-                url = router.choose(self.namespace, self.prompt, loads)
+                # One worker configured: no choice to make, and no other worker its prefixes could steer.
+                url = next(iter(loads)) if len(pool.workers) == 1 else router.choose(self.namespace, self.prompt, loads)
                 if span is not None:
                     span.set_attribute("tollway.worker.url", url)
             stream = pool.stream(url, self.body)

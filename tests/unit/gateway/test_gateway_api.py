@@ -301,3 +301,18 @@ async def test_structured_requests_send_their_grammar_to_the_worker(setup) -> No
     assert grammar["tags"][0]["begin"] == '<tool_call>\n{"name": "f", "arguments": '
     plain = await client.post("/v1/chat/completions", headers=auth, json=chat(tools=tools, tool_choice="none"))
     assert plain.status == 200 and "grammar" not in worker.requests[-1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_router_chooses_only_among_several_workers(aiohttp_client, aiohttp_server, tmp_path, workers) -> None:
+    urls = [str((await aiohttp_server(create_fake_worker_app(FakeWorker()))).make_url("")).rstrip("/")
+            for _ in range(workers)]
+    _, key = make_tenant_key(f"sqlite:///{tmp_path}/tollway.db")
+    client = await start_gateway(aiohttp_client, tmp_path, urls)
+    choices: list[str] = []
+    choose = client.app[ROUTER].choose
+    client.app[ROUTER].choose = lambda namespace, ids, loads: choices.append(choose(namespace, ids, loads)) or choices[-1]
+    response = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json=chat(max_tokens=4))
+    assert response.status == 200, await response.text()
+    assert len(choices) == (0 if workers == 1 else 1)  # one worker: no choice, no prefix index to keep
