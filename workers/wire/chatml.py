@@ -56,10 +56,13 @@ class ChatML:
         if matched is None:
             return None
         chatml = cls(matched.group("system"))
-        for messages in PROBES:
-            for generation_prompt in (True, False):
-                if chatml.render(messages, generation_prompt) != jinja_render(messages, generation_prompt):
-                    return None
+        try:
+            for messages in PROBES:
+                for generation_prompt in (True, False):
+                    if chatml.render(messages, generation_prompt) != jinja_render(messages, generation_prompt):
+                        return None
+        except Exception:  # Jinja refused a probe: it decides every call then
+            return None
         return chatml
 
     @staticmethod

@@ -43,7 +43,7 @@ class TextTokenizer:
         self._template: jinja2.Template | None = None
         self._chatml: ChatML | None = None  # the template written without Jinja (workers/wire/chatml.py)
         if chat_template is not None:
-            self._chatml = ChatML.recognize(chat_template, lambda messages, prompt: self._render_jinja(messages, prompt))
+            self._chatml = ChatML.recognize(chat_template, self._render_jinja)
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> TextTokenizer:

@@ -76,6 +76,11 @@ def test_a_template_whose_probes_differ_is_not_used() -> None:
     assert ChatML.recognize(CHAT_TEMPLATE, lambda messages, prompt: "") is None
     assert ChatML.recognize(CHAT_TEMPLATE, ChatML(None).render) is not None
 
+    def refusing(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        raise ChatTemplateError("no tool role here")
+
+    assert ChatML.recognize(CHAT_TEMPLATE, refusing) is None
+
 
 def test_calls_it_cannot_write_go_to_jinja(monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = fake_tokenizer(CHAT_TEMPLATE)
