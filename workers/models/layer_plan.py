@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # ProjectionKind of layer_stack.cpp, by the op that runs the projection.
-_LINEAR, _MKLDNN, _MKL, _INT4, _INT4_Q8, _INT8, _INT8_Q8 = range(7)
+_LINEAR, _MKLDNN, _FEW_ROWS, _INT4, _INT4_Q8, _INT8, _INT8_Q8 = range(7)
 _ROW_KERNEL_KINDS = {"tollway_cpu::int4_matmul": _INT4, "tollway_cpu::int4_matmul_q8": _INT4_Q8,
-                     "tollway_cpu::int8_matmul": _INT8, "tollway_cpu::int8_matmul_q8": _INT8_Q8}
+                     "tollway_cpu::int8_matmul": _INT8, "tollway_cpu::int8_matmul_q8": _INT8_Q8,
+                     "tollway_cpu::few_rows_linear": _FEW_ROWS}
 
 Entry = tuple[int, list[torch.Tensor | None], list[int]]
 """A projection in the plan: its kind, its 3 tensor slots, its 2 ints."""
@@ -73,7 +74,8 @@ class LayerPlan:
 
 def linear_call(module: torch.nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """What a projection runs on `rows` rows: a quantized layer's row kernel straight (QuantizedLinear.row_kernel_for:
-    no module call, no per-call checks; ~0.5 ms of a 12 ms int4 single-stream step on 2 cores), else the module."""
+    no module call, no per-call checks; ~0.5 ms of a 12 ms int4 single-stream step on 2 cores) or an fp32 packed
+    one's few_rows_linear (PackedLinear.row_kernel_for), else the module."""
     row_kernel_for = getattr(module, "row_kernel_for", None)
     run = row_kernel_for(rows) if row_kernel_for is not None else None
     return run if run is not None else module
@@ -87,13 +89,15 @@ def projection_entry(run: Any) -> Entry | None:
         kw = run.keywords
         if kind is None or run.args:
             return None
+        if kind == _FEW_ROWS:
+            return kind, [kw["weight"], kw["bias"], None], [0, 0]
         if kind in (_INT4, _INT4_Q8):
             return kind, [kw["qweight"], kw["scales"], kw["mins"]], [kw["n"], kw["group"]]
         return kind, [kw["qweight"], kw["scales"], None], [kw["n"], 0]
     if isinstance(run, PackedLinear):
         if run.kind == "mkldnn":
             return _MKLDNN, [run.packed, run.bias, None], [0, 0]
-        return _MKL, [run.packed, run.weight, run.bias], [run.batch_hint, 0]
+        return _LINEAR, [run.weight, run.bias, None], [0, 0]  # fp32 past few rows: F.linear on the plain weight
     if type(run) is nn.Linear:
         return _LINEAR, [run.weight, run.bias, None], [0, 0]
     return None

@@ -18,6 +18,8 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `refine_top_logits(logits [N, V] fp32 | bf16, weight [V, H] fp32 | bf16, normed [N, H] fp32, k) -> [N, V]
   fp32`: the logits in fp32 with the k largest of each row recomputed as `weight[v] . normed[n]` in fp32
   (`head_ops.cpp`; used through workers/models/logits_refine.py);
+- `few_rows_linear(x [M, K] fp32, weight [N, K] fp32, bias [N]?) -> [M, N]`: `F.linear` for a decode step's
+  few rows, each weight row read once for all of them (`few_rows.cpp`; workers/models/packed_linear.py);
 - `row_argmax(logits [N, V] fp32) -> [N] int64`: each row's first index of its maximum, as `max(dim=-1)`
   (`head_ops.cpp`; the sampler's greedy choice, workers/engine/sampler.py);
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and
@@ -36,7 +38,7 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
 - `register_layer_plan(tensors, ints, floats, Hq, Hkv, D) -> handle`, `release_layer_plan(handle)` and
   `decode_planned(residual, cos, sin, slot_mapping, block_tables, context_lens, k_caches, v_caches, handle)`: an
   all-decode step's decoder stack in one call, the ops above in the order of workers/models/fused_decode.py's loop
-  and each projection's kernel (plain, MKL/oneDNN packed, the quantized row kernels) called from C++, from the
+  and each projection's kernel (plain, oneDNN packed, fp32 few rows, the quantized row kernels) called from C++, from the
   flat plan workers/models/layer_plan.py builds and registers once (`layer_stack.cpp`).
 
 `store_kv`, `decode_step` and `extend_step` are the backend interface `kernels.dispatch` calls;

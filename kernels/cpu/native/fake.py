@@ -40,6 +40,10 @@ def register_fakes() -> None:
     def _int8_matmul(x, qweight, scales, n):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake(f"{lib}::few_rows_linear")
+    def _few_rows_linear(x, weight, bias):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], weight.shape[0])
+
     @torch.library.register_fake(f"{lib}::int4_tile_matmul")
     def _int4_tile_matmul(x, qweight, scales, mins, n, group):  # type: ignore[no-untyped-def]
         return x.new_empty(x.shape[0], n)

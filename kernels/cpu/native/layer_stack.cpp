@@ -37,7 +37,7 @@ constexpr int64_t kFloatsPerLayer = 3;
 enum ProjectionKind : int64_t {
   kLinear = 0,   // aten::linear(x, weight T0, bias T1?)
   kMkldnn = 1,   // mkldnn::_linear_pointwise(x, packed T0, bias T1?, "none", [], ""): oneDNN's prepacked bf16
-  kMkl = 2,      // mkl::_mkl_linear(x, packed T0, weight T1, bias T2?, batch_hint I0): MKL's prepacked fp32
+  kFewRows = 2,  // tollway_cpu::few_rows_linear(x, weight T0, bias T1?): fp32 batches of a few rows (few_rows.cpp)
   kInt4 = 3,     // tollway_cpu::int4_matmul(x, qweight T0, scales T1, mins T2, n I0, group I1)
   kInt4Q8 = 4,   // tollway_cpu::int4_matmul_q8(the same, "auto")
   kInt8 = 5,     // tollway_cpu::int8_matmul(x, qweight T0, scales T1, n I0)
@@ -66,17 +66,17 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
       handle = &linear;
       break;
     }
+    case kFewRows: {
+      static const c10::OperatorHandle few_rows = op("tollway_cpu::few_rows_linear");
+      stack.push_back(tensor(1));
+      handle = &few_rows;
+      break;
+    }
     case kMkldnn: {
       static const c10::OperatorHandle mkldnn = op("mkldnn::_linear_pointwise");
       stack.insert(stack.end(), {tensor(1), c10::IValue("none"), c10::IValue(c10::List<std::optional<at::Scalar>>()),
                                  c10::IValue("")});
       handle = &mkldnn;
-      break;
-    }
-    case kMkl: {
-      static const c10::OperatorHandle mkl = op("mkl::_mkl_linear");
-      stack.insert(stack.end(), {tensor(1), tensor(2), c10::IValue(a)});
-      handle = &mkl;
       break;
     }
     case kInt4: case kInt4Q8: {
@@ -205,7 +205,7 @@ TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
   m.impl("decode_planned", &decode_planned);
 }
 
-// MKL's packed fp32 weights are MkldnnCPU tensors: a plan holding them dispatches there.
+// A plan holding an MkldnnCPU tensor (an opaque packed weight, as MKL's packed fp32 ones were) dispatches there.
 TORCH_LIBRARY_IMPL(tollway_cpu, MkldnnCPU, m) {
   m.impl("register_layer_plan", &register_layer_plan);
 }

@@ -1,6 +1,7 @@
 """The decode step's layers as one native call (workers/models/layer_plan.py, kernels/cpu/native/layer_stack.cpp)
 against the Python loop of the same ops (`fused_decode.decode_layers`): bit-equal hidden states and K/V for
-every kind of projection the op runs (plain, packed, int4 and int8 row kernels with float or int8 activations),
+every kind of projection the op runs (plain, packed, fp32 few rows, int4 and int8 row kernels with float or int8
+activations),
 with a sliding window; no plan where a projection has no kind, and a plan rebuilt when projections are replaced.
 Needs the native library (tests/required.py: skipped locally without a compiler, a failure on CI)."""
 
@@ -18,7 +19,7 @@ from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from kernels.quantized import cpu as quantized_cpu
 from tests.required import unavailable
-from workers.models import fused_decode, quantized_linear
+from workers.models import fused_decode, packed_linear, quantized_linear
 from workers.models.layer_plan import PROJECTIONS, LayerPlan, build_plan, plan_for
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
@@ -76,7 +77,8 @@ CASES = pytest.mark.parametrize(
     ("dtype", "quantization", "activations", "window", "pack"),
     [
         (torch.float32, "none", "int8", None, False),  # nn.Linear
-        (torch.float32, "none", "int8", None, True),  # MKL's packed fp32
+        (torch.float32, "none", "int8", None, True),  # fp32 packed: few_rows_linear at 5 rows
+        (torch.float32, "none", "int8", None, "many"),  # fp32 packed past its few rows: F.linear
         (torch.bfloat16, "none", "int8", None, True),  # oneDNN's packed bf16, where this CPU has it
         (torch.float32, "none", "int8", 12, False),  # a sliding window shorter than most contexts
         (torch.float32, "int4", "int8", None, False),  # int4_matmul_q8
@@ -84,13 +86,15 @@ CASES = pytest.mark.parametrize(
         (torch.float32, "int8", "int8", None, False),  # int8_matmul_q8
         (torch.bfloat16, "int8", "float", None, False),  # int8_matmul
     ],
-    ids=["linear", "mkl", "mkldnn", "window", "int4-q8", "int4", "int8-q8", "int8"],
+    ids=["linear", "few-rows", "many-rows", "mkldnn", "window", "int4-q8", "int4", "int8-q8", "int8"],
 )
 
 
 @CASES
 def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,
-                                     window: int | None, pack: bool) -> None:
+                                     window: int | None, pack: bool | str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if pack == "many":  # the step's 5 rows are past the limit
+        monkeypatch.setattr(packed_linear, "FEW_ROWS_MAX_ROWS", 4)
     model = model_for(tmp_path, dtype, quantization, activations, window)
     if pack:  # bf16 packing needs AVX512-BF16 or AMX: elsewhere the layers stay nn.Linear, still compared
         assert pack_linears(model) == (packing_kind(dtype) is not None)
@@ -114,7 +118,9 @@ def test_no_plan_where_a_projection_dequantizes_and_a_new_plan_after_packing(tmp
     assert set(projection_kinds(first)) == {0}  # nn.Linear
     assert pack_linears(plain)
     second = plan_for(plain, 3)
-    assert second is not None and set(projection_kinds(second)) == {2}  # MKL's packed fp32
+    assert second is not None and set(projection_kinds(second)) == {2}  # fp32 packed, few rows: few_rows_linear
+    many = plan_for(plain, packed_linear.FEW_ROWS_MAX_ROWS + 1)
+    assert many is not None and set(projection_kinds(many)) == {0}  # past them: F.linear on the plain weight
 
 
 def projection_kinds(plan: LayerPlan) -> list[int]:
