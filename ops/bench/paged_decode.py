@@ -6,6 +6,10 @@ the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8)
 - contiguous: each sequence's blocks in order (a fresh cache, prefilled sequence by sequence);
 - warm: the scattered layout, one layer's cache read 30 times (it stays in L2/L3: the op's compute).
 
+Then prefill rows (what a chunked prefill step sends, workers/models/fused_decode.py): each new token of a prompt
+is a row reading the prompt's blocks up to its own position; one 380-token prompt, and a 1,024-row chunk of three.
+Under an fp32 q such runs attend as tiles (kernels/cpu/native/paged_prefill.h).
+
 Prints the median of 10 timed rounds (after 2) per dtype (q / cache: the model's own, or the int8 cache
 of kernels/kv_int8.py) and layout. To compare two versions of the
 kernel, run this from each checkout in turn (the library is built per source, `kernels/cpu/native/build.py`).
@@ -55,6 +59,27 @@ def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, contex
     return statistics.median(rounds[2:]) * 1e3
 
 
+def time_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, prompts: int, prompt: int, rows: int) -> float:
+    """30 layers' attention of `rows` prefill rows: `prompts` prompts of `prompt` tokens, row by row."""
+    per_seq = (prompt + BLOCK - 1) // BLOCK
+    num_blocks = prompts * per_seq + 8
+    keys = [cache(num_blocks, cache_dtype) for _ in range(LAYERS)]
+    values = [cache(num_blocks, cache_dtype) for _ in range(LAYERS)]
+    ids = list(range(num_blocks))
+    random.Random(1).shuffle(ids)
+    spans = [(ids[i * per_seq:(i + 1) * per_seq], position) for i in range(prompts) for position in range(prompt)]
+    tables = torch.tensor([table for table, _ in spans[:rows]], dtype=torch.int32)
+    lens = torch.tensor([position + 1 for _, position in spans[:rows]], dtype=torch.int32)
+    q = torch.randn(len(lens), KV_HEADS * GROUP, HEAD_DIM).to(dtype)
+    rounds = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            torch.ops.tollway_cpu.paged_decode(q, keys[layer], values[layer], tables, lens, HEAD_DIM ** -0.5, 0)
+        rounds.append(time.perf_counter() - start)
+    return statistics.median(rounds[2:]) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -72,6 +97,13 @@ def main() -> None:
                                 for layout in ("scattered", "contiguous", "warm"))
             name = f"{str(dtype).removeprefix('torch.')} / {str(cache_dtype).removeprefix('torch.')}"
             print(f"{name:18} {figures}")
+    print("prefill rows, 30 layers")
+    for dtype in (torch.bfloat16, torch.float32):
+        for cache_dtype in (dtype, torch.int8):
+            one = time_prefill(dtype, cache_dtype, 1, args.context, args.context)
+            chunk = time_prefill(dtype, cache_dtype, 3, args.context, 1024)
+            name = f"{str(dtype).removeprefix('torch.')} / {str(cache_dtype).removeprefix('torch.')}"
+            print(f"{name:18} one {args.context}-token prompt {one:6.1f} ms  a 1024-row chunk of three {chunk:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@
 // 32 x 380 went 1.59-1.63x -> 1.56-1.57x its matmuls on a 2-core EPYC (the op alone: contiguous ~8% faster,
 // scattered level).
 //
+// Under an fp32 q, rows that are one sequence's consecutive new tokens (a prefill chunk sent as decode rows,
+// workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head, the scores and the V sum of up
+// to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One 380-token prompt's attention
+// per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's prefill line).
+//
 // A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
 // AVX512 host this took the op over 30 scattered layers from 68 to 44 ms in bf16 (ops/bench/paged_decode.py).
@@ -35,6 +40,7 @@
 // decode step at batch 32 x 380: 50.6-51.6 -> 46.1-47.4 ms on a 2-core EPYC). Dropping the score loop's K
 // prefetch for those rows (already fetched) made scattered caches slower (13.6-15.0 -> 20.7-21.4 ms): kept.
 #include "paged_decode_bf16.h"
+#include "paged_prefill.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -183,19 +189,28 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (decode_by_sequence<D>(geo, qp, kp, vp, op, fscale, window)) return;
   }
 #endif
-  at::parallel_for(0, geo.B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Rows the per-(row, KV head) tasks below take: all of them, or those left outside fp32 prefill runs.
+  std::vector<int64_t> singles;
+  if constexpr (std::is_same_v<T, float> && D % (2 * W) == 0) {
+    const std::vector<PrefillRun> runs = find_prefill_runs(geo, window, singles);
+    if (!runs.empty()) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
+  } else {
+    for (int64_t b = 0; b < geo.B; ++b) singles.push_back(b);
+  }
+  if (singles.empty()) return;
+  at::parallel_for(0, int64_t(singles.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
     std::vector<BFloat16> probs16(std::is_same_v<C, BFloat16> ? kHeadsPerPass * L : 0);
     // The rows of task `task` (b, h): n of them into `into`.
     auto task_rows = [&](int64_t task, int64_t* into) {
-      const int64_t b = task / Hkv, start = geo.start(b, window), n = geo.lens[b] - start;
+      const int64_t b = singles[task / Hkv], start = geo.start(b, window), n = geo.lens[b] - start;
       geo.fill_rows(b, task % Hkv, start, n, into);
       return n;
     };
     int64_t next_n = task_rows(begin, next_rows.data());
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t b = singles[task / Hkv], h = task % Hkv;
       const int64_t n = next_n;
       rows.swap(next_rows);
       next_n = task + 1 < end ? task_rows(task + 1, next_rows.data()) : 0;

@@ -1,0 +1,140 @@
+"""`paged_decode`'s prefill runs (kernels/cpu/native/paged_prefill.h) against the torch reference.
+
+Under an fp32 q, consecutive rows that are one sequence's consecutive tokens (each row one longer, reading the same
+blocks) attend as tiles; every other row as before. Each row's result must be the reference's attention over its
+own table and length, whatever the batch around it holds: a run beside decode rows, runs shorter than the tile
+threshold, a neighbour that shares a prefix's blocks but not the next block, a sliding window.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu import native
+from kernels.kv_int8 import dequantize, quantize
+from tests.required import unavailable
+
+EXACT = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
+class Batch:
+    """Rows of a step over one shuffled cache: each row (sequence, position) reads its sequence's table up to
+    position + 1 tokens."""
+
+    def __init__(self, blocks_per_sequence: dict[str, int], block_size: int, seed: int) -> None:
+        total = sum(blocks_per_sequence.values()) + 2
+        order = random.Random(seed).sample(range(total), total)
+        self.block_size, self.num_blocks, self.tables, used = block_size, total, {}, 0
+        for name, count in blocks_per_sequence.items():
+            self.tables[name] = order[used : used + count]
+            used += count
+        self.rows: list[tuple[str, int]] = []
+
+    def prefill(self, name: str, start: int, stop: int) -> Batch:
+        self.rows += [(name, position) for position in range(start, stop)]
+        return self
+
+    def decode(self, name: str, position: int) -> Batch:
+        self.rows.append((name, position))
+        return self
+
+    def metadata(self) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(table) for table in self.tables.values())
+        tables = [self.tables[name] + [0] * (width - len(self.tables[name])) for name, _ in self.rows]
+        lens = [position + 1 for _, position in self.rows]
+        return torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def attend(batch: Batch, group: int, head_dim: int, cache_dtype: torch.dtype, window: int = 0,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paged_decode's output, the reference's) for the batch's rows with 2 KV heads."""
+    torch.manual_seed(seed)
+    shape = (batch.num_blocks, batch.block_size, 2, head_dim)
+    keys, values = torch.randn(shape), torch.randn(shape)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = quantize(keys), quantize(values)
+        k_wide, v_wide = dequantize(k_cache, torch.float32), dequantize(v_cache, torch.float32)
+    else:
+        k_cache, v_cache = keys.to(cache_dtype), values.to(cache_dtype)
+        k_wide, v_wide = k_cache.float(), v_cache.float()
+    tables, lens = batch.metadata()
+    q = torch.randn(len(batch.rows), 2 * group, head_dim)
+    scale = head_dim**-0.5
+    got = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    expected = reference.decode_attention(q, k_wide, v_wide, tables, lens, scale, window or None)
+    return got, expected
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 16, 16), (4, 128, 4), (8, 32, 1),
+                                                               (2, 256, 8)])
+def test_prefill_runs_match_the_reference(group: int, head_dim: int, block_size: int) -> None:
+    blocks = -(-300 // block_size)
+    batch = (Batch({"a": blocks, "b": blocks, "c": blocks}, block_size, seed=group)
+             .decode("c", 140)
+             .prefill("a", 37, 97)   # a chunk mid-prompt: 60 rows, tiles of 16 and a ragged last one
+             .prefill("b", 0, 21)    # a prompt's first chunk, starting at position 0
+             .decode("a", 12)        # the run's sequence again, as a decode row: its own row
+             .prefill("c", 200, 205))  # 5 rows: under the tile threshold, rows as before
+    got, expected = attend(batch, group, head_dim, torch.float32, seed=head_dim)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8])
+def test_prefill_runs_widen_narrow_caches(cache_dtype: torch.dtype) -> None:
+    batch = Batch({"a": 40, "b": 40}, 8, seed=3).prefill("a", 100, 300).decode("b", 250)
+    got, expected = attend(batch, 3, 64, cache_dtype, seed=5)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_a_neighbour_sharing_a_prefix_is_not_merged_into_the_run() -> None:
+    """Row 1 is one longer than row 0 and shares its first blocks, but its last block is its own: it must read
+    that block, not row 0's."""
+    batch = Batch({"a": 7, "b": 7}, 8, seed=9)
+    batch.tables["b"][:5] = batch.tables["a"][:5]  # blocks 0-4 (positions 0-39) shared, as a prefix hit's
+    batch.prefill("a", 20, 40).prefill("b", 40, 50)  # b's first row reads its own block 5 (position 40)
+    got, expected = attend(batch, 3, 64, torch.float32, seed=11)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_a_sliding_window_keeps_rows() -> None:
+    batch = Batch({"a": 30}, 8, seed=2).prefill("a", 150, 200)
+    got, expected = attend(batch, 3, 64, torch.float32, window=40, seed=2)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_tiles_over_threads(threads: int) -> None:
+    batch = Batch({"a": 48, "b": 48, "c": 48}, 8, seed=4).prefill("a", 0, 380).prefill("b", 0, 380).prefill(
+        "c", 0, 264)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, expected = attend(batch, 3, 64, torch.float32, seed=threads)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_a_run_takes_the_tile_path() -> None:
+    """The tiles sum in another order than a row alone does: a run's outputs are close to, but not bit-equal
+    with, the same rows sent one at a time (each then a decode row). If this fails, the run went as rows."""
+    batch = Batch({"a": 20}, 8, seed=6).prefill("a", 60, 124)
+    torch.manual_seed(6)
+    k_cache, v_cache = torch.randn(batch.num_blocks, 8, 2, 64), torch.randn(batch.num_blocks, 8, 2, 64)
+    tables, lens = batch.metadata()
+    q = torch.randn(len(batch.rows), 6, 64)
+    together = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 0)
+    alone = torch.cat([torch.ops.tollway_cpu.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                                          lens[i : i + 1], 0.125, 0) for i in range(len(lens))])
+    torch.testing.assert_close(together, alone, **EXACT)
+    assert not torch.equal(together, alone)
