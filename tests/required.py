@@ -32,6 +32,14 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def require_native() -> None:
+    """`unavailable` unless the native CPU kernels (kernels/cpu/native) build and load here (a C++ compiler)."""
+    from kernels.cpu import native  # imported here: most tests never touch the library
+
+    if not native.load():
+        unavailable(str(native.unavailable_reason()))
+
+
 def require_executable(path: Path, what: str) -> None:
     """`unavailable` unless `path` is an executable; `what` says what it is and who installs it."""
     if not os.access(path, os.X_OK):

@@ -13,16 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import native
-from tests.required import unavailable
+from tests.required import require_native
 from workers.models import packed_linear
 from workers.models.packed_linear import FEW_ROWS_MAX_ROWS, PackedLinear, packing_kind
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu import native
 from kernels.dispatch import paged_attention
 from kernels.kv_int8 import GROUP, as_stored, dequantize, quantize, row_width, scales
 from kernels.metadata import PagedAttentionMetadata
-from tests.required import unavailable
+from tests.required import require_native
 
 EXACT = {"atol": 1e-5, "rtol": 1e-5}  # fp32 compute on identical (dequantized) inputs: summation order only
 
 
 def needs_native() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,13 +17,12 @@ from kernels import reference
 from kernels.cpu import native
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
-from tests.required import unavailable
+from tests.required import require_native
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:

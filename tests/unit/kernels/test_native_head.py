@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from kernels.cpu import native
-from tests.required import unavailable
+from tests.required import require_native
 from workers.models import logits_refine
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def head_case(rows: int, vocab: int, hidden: int, logits_dtype: torch.dtype, weight_dtype: torch.dtype,

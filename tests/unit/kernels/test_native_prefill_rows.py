@@ -14,17 +14,15 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cpu import native
 from kernels.kv_int8 import dequantize, quantize
-from tests.required import unavailable
+from tests.required import require_native
 
 EXACT = {"atol": 1e-5, "rtol": 1e-5}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 class Batch:

@@ -13,10 +13,9 @@ import torch
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from cache.kv_storage import KVStorage
-from kernels.cpu import native
 from kernels.kv_int8 import dequantize
 from kernels.metadata import PagedAttentionMetadata
-from tests.required import unavailable
+from tests.required import require_native
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models import fused_decode
@@ -29,8 +28,7 @@ from workers.wire.sampling import SamplingParams
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def prompts(seed: int) -> list[list[int]]:

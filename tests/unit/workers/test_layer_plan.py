@@ -15,10 +15,9 @@ import torch
 
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
-from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
 from kernels.quantized import cpu as quantized_cpu
-from tests.required import unavailable
+from tests.required import require_native
 from workers.models import fused_decode, packed_linear, quantized_linear
 from workers.models.layer_plan import PROJECTIONS, LayerPlan, build_plan, plan_for
 from workers.models.llama import LlamaForCausalLM
@@ -29,8 +28,7 @@ from workers.paged_step import run_step
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def model_for(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,

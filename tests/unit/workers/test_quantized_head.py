@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import native
 from kernels.quantized.cpu import cpu_matmul
 from kernels.quantized.layout import dequantize, quantize_int4, quantize_int8
-from tests.required import unavailable
+from tests.required import require_native
 from workers.engine.engine import Engine, EngineConfig
 from workers.models.loader import load_model
 from workers.models.logits_refine import REFINED_TOP
@@ -34,8 +33,7 @@ PROMPTS = [[5, 9, 17, 33, 65, 3], [7, 7, 8, 100, 2, 14, 90, 4, 4, 11, 12], [40, 
 
 @pytest.fixture(autouse=True)
 def needs_native() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 @pytest.fixture(scope="module")

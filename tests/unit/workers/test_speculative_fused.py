@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import native
 from kernels.metadata import PagedAttentionMetadata
-from tests.required import unavailable
+from tests.required import require_native
 from tests.verification_steps import verification_both_ways
 from workers.engine import decode_rows
 from workers.engine.batch import ScheduledBatch
@@ -29,8 +28,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def native_ops() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
+    require_native()
 
 
 def random_tokens(seed: int, lengths: tuple[int, ...], low: int = 3, high: int = 128) -> list[list[int]]:
