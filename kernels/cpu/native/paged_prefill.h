@@ -24,6 +24,9 @@ constexpr int64_t kTileTokens = 16;  // a task's tokens (x G query heads: its ro
 constexpr int64_t kMicroRows = 6;    // rows per register tile: 6 x 2 accumulators + 2 loads + 1 broadcast <= 16
 constexpr int64_t kMinRunRows = 8;   // shorter runs stay rows
 
+// x rounded up to a multiple of `to`.
+constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
 // Rows [first, first + count) of the batch: one sequence's consecutive tokens.
 struct PrefillRun {
   int64_t first, count;
@@ -67,8 +70,8 @@ struct TileScratch {
   std::vector<int64_t> rows;
   int64_t n_cap;  // keys per K^T / score row (the longest context rounded up to 2W)
   TileScratch(int64_t max_len, int64_t G, int64_t D)
-      : n_cap((max_len + 2 * W - 1) / (2 * W) * (2 * W)) {
-    const int64_t m = (kTileTokens * G + kMicroRows - 1) / kMicroRows * kMicroRows;
+      : n_cap(round_up(max_len, 2 * W)) {
+    const int64_t m = round_up(kTileTokens * G, kMicroRows);
     kt.resize(D * n_cap);
     s.resize(m * n_cap);
     q.resize(m * D);
@@ -127,16 +130,15 @@ template <typename T, typename C, int64_t D>
 void prefill_tile(const DecodeGeometry& geo, const T* qp, const C* kp, const C* vp, T* op, int64_t first,
                   int64_t count, int64_t h, float fscale, TileScratch& t) {
   const int64_t G = geo.G, n = geo.lens[first + count - 1], n_cap = t.n_cap;
-  const int64_t m = count * G, m_pad = (m + kMicroRows - 1) / kMicroRows * kMicroRows;
+  const int64_t m = count * G, m_pad = round_up(m, kMicroRows);
   geo.fill_rows(first + count - 1, h, 0, n, t.rows.data());
-  // K^T: key j's D values down column j; the keys past n zero (their scores are masked anyway).
-  const int64_t n_keys = (n + 2 * W - 1) / (2 * W) * (2 * W);
+  // K^T: key j's D values down column j. Columns past n hold whatever they held: the scores computed from them
+  // lie past every row's length, which the softmax overwrites (-inf, then 0) before the V sum reads them.
   alignas(64) float widened[D];
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t o = 0; o < D; o += W) load_row<C, D>(kp + t.rows[j], o).store(widened + o);
     for (int64_t d = 0; d < D; ++d) t.kt[d * n_cap + j] = widened[d];
   }
-  for (int64_t d = 0; d < D; ++d) std::fill(t.kt.data() + d * n_cap + n, t.kt.data() + d * n_cap + n_keys, 0.f);
   // Row r = token r / G, query head h * G + r % G; rows past m are zeros whose results are dropped.
   for (int64_t r = 0; r < m; ++r) load_floats(qp + geo.q_offset(first + r / G, h * G + r % G), t.q.data() + r * D, D);
   std::fill(t.q.data() + m * D, t.q.data() + m_pad * D, 0.f);
@@ -144,13 +146,13 @@ void prefill_tile(const DecodeGeometry& geo, const T* qp, const C* kp, const C* 
     // The micro-tile reads keys up to its last real row's length (rows past m: the tile's last token's).
     const int64_t last_token = std::min(m - 1, r0 + kMicroRows - 1) / G;
     const int64_t keys = geo.lens[first + last_token];
-    const int64_t keys_2w = (keys + 2 * W - 1) / (2 * W) * (2 * W);
+    const int64_t keys_2w = round_up(keys, 2 * W);
     float* s = t.s.data() + r0 * n_cap;
     tile_scores<D>(t.q.data() + r0 * D, t.kt.data(), n_cap, keys_2w, s);
     float inv[kMicroRows];
     for (int64_t r = 0; r < kMicroRows; ++r) {
       const int64_t len = r0 + r < m ? int64_t(geo.lens[first + (r0 + r) / G]) : keys;
-      const int64_t len_w = (len + W - 1) / W * W;
+      const int64_t len_w = round_up(len, W);
       inv[r] = softmax_in_place(s + r * n_cap, len, len_w, fscale);
       std::fill(s + r * n_cap + len_w, s + r * n_cap + keys_2w, 0.f);
     }
