@@ -49,14 +49,20 @@ def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, contex
     tables = torch.tensor([ids[i * per_seq:(i + 1) * per_seq] for i in range(batch)], dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM).to(dtype)
-    rounds = []
-    for _ in range(12):
+    return layers_ms(q, keys, values, tables, lens, rounds=12)
+
+
+def layers_ms(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], tables: torch.Tensor,
+              lens: torch.Tensor, rounds: int) -> float:
+    """Median ms of one pass over LAYERS layers (layer i reads cache i mod len(keys)), the first 2 rounds dropped."""
+    times = []
+    for _ in range(rounds):
         start = time.perf_counter()
         for layer in range(LAYERS):
-            torch.ops.tollway_cpu.paged_decode(q, keys[layer % distinct], values[layer % distinct], tables, lens,
+            torch.ops.tollway_cpu.paged_decode(q, keys[layer % len(keys)], values[layer % len(keys)], tables, lens,
                                                HEAD_DIM ** -0.5, 0)
-        rounds.append(time.perf_counter() - start)
-    return statistics.median(rounds[2:]) * 1e3
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
 
 
 def time_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, prompts: int, prompt: int, rows: int) -> float:
@@ -71,13 +77,7 @@ def time_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, prompts: int, pro
     tables = torch.tensor([table for table, _ in spans[:rows]], dtype=torch.int32)
     lens = torch.tensor([position + 1 for _, position in spans[:rows]], dtype=torch.int32)
     q = torch.randn(len(lens), KV_HEADS * GROUP, HEAD_DIM).to(dtype)
-    rounds = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for layer in range(LAYERS):
-            torch.ops.tollway_cpu.paged_decode(q, keys[layer], values[layer], tables, lens, HEAD_DIM ** -0.5, 0)
-        rounds.append(time.perf_counter() - start)
-    return statistics.median(rounds[2:]) * 1e3
+    return layers_ms(q, keys, values, tables, lens, rounds=7)
 
 
 def main() -> None:
