@@ -62,35 +62,41 @@ def cpu_has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 @cache
 def cpu_bf16_speedup() -> float:
-    """How much faster the engine's bf16 GEMM runs than its fp32 one on this CPU: the prepacked matmuls
-    of the decode step (workers/models/packed_linear.py) on SPEEDUP_SHAPE, best of SPEEDUP_ROUNDS rounds
-    alternating the dtypes. 0 where oneDNN has no native bf16 GEMM. About 0.1 s, once per process.
+    """How much faster the engine's bf16 GEMM runs than its fp32 one on this CPU on SPEEDUP_SHAPE, best of
+    SPEEDUP_ROUNDS rounds alternating the dtypes: bf16 prepacked for oneDNN (workers/models/packed_linear.py),
+    fp32 on `F.linear`, which an fp32 model's GEMMs of that many rows run (`few_rows_linear` takes batches up to
+    FEW_ROWS_MAX_ROWS). 0 where oneDNN has no native bf16 GEMM. About 0.1 s, once per process.
+
+    The fp32 side must not depend on the native library: a worker picks its dtype before loading it, and timing
+    `few_rows_linear` only where it was loaded sent `auto` to fp32 on every AVX512-BF16 CPU without AMX (from
+    83402d7 until 2026-11-27; the stack ran 2-3x slower there, ops/bench/RESULTS.md).
 
     Timed on a thread of its own, which then ends (with any OpenMP pool it made). Timed in the caller's thread
     instead (a first version, at one torch thread), it slowed a worker's int4 single stream to 35 tok/s from 86:
     presumably the thread-pool effect that workers/engine/async_engine.py describes."""
-    bf16_kind, fp32_kind = packing_kind(torch.bfloat16), packing_kind(torch.float32)
-    if bf16_kind is None or fp32_kind is None:
+    bf16_kind = packing_kind(torch.bfloat16)
+    if bf16_kind is None:
         return 0.0
-    kinds = {torch.float32: fp32_kind, torch.bfloat16: bf16_kind}
-    best = dict.fromkeys(kinds, math.inf)
+    dtypes = (torch.float32, torch.bfloat16)
+    best = dict.fromkeys(dtypes, math.inf)
 
     def measure() -> None:
         rows, k, n = SPEEDUP_SHAPE
         gen = torch.Generator().manual_seed(0)
         weight, x = torch.randn(n, k, generator=gen) / k**0.5, torch.randn(rows, k, generator=gen)
-        calls = {}
-        for dtype, kind in kinds.items():
+        calls: dict[torch.dtype, tuple[torch.nn.Module, torch.Tensor]] = {}
+        for dtype in dtypes:
             linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
             linear.weight.data.copy_(weight)
-            calls[dtype] = (PackedLinear(linear, kind, rows), x.to(dtype))
+            module: torch.nn.Module = PackedLinear(linear, bf16_kind, rows) if dtype == torch.bfloat16 else linear
+            calls[dtype] = (module, x.to(dtype))
         with torch.no_grad():
-            for packed, rows_in in calls.values():  # warm-up: oneDNN builds its kernel on the first call
-                packed(rows_in)
+            for module, rows_in in calls.values():  # warm-up: oneDNN builds its kernel on the first call
+                module(rows_in)
             for _ in range(SPEEDUP_ROUNDS):
-                for dtype, (packed, rows_in) in calls.items():
+                for dtype, (module, rows_in) in calls.items():
                     start = time.perf_counter()
-                    packed(rows_in)
+                    module(rows_in)
                     best[dtype] = min(best[dtype], time.perf_counter() - start)
 
     timer = threading.Thread(target=measure, name="bf16-speedup")

@@ -93,10 +93,14 @@ def test_auto_takes_bf16_on_a_cpu_only_where_its_gemm_pays(monkeypatch: pytest.M
     assert timed == ([True] if flags == "avx512_bf16" else [])  # timed only where the flags leave it open
 
 
-def test_bf16_speedup_is_measured_on_this_cpu() -> None:
-    """The engine's own packed GEMMs, timed: a positive ratio where oneDNN has a native bf16 GEMM, else 0."""
+def test_bf16_speedup_is_measured_on_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's GEMMs, timed: a positive ratio where oneDNN has a native bf16 GEMM, else 0; before the native
+    library is loaded too, as a worker picks its dtype before loading it (timing the fp32 side on it once gave 0
+    there, and `auto` fp32 on every AVX512-BF16 CPU without AMX)."""
+    from kernels.cpu import native
     from workers.models.packed_linear import packing_kind
 
+    monkeypatch.setattr(native, "is_loaded", lambda: False)
     speedup = precision.cpu_bf16_speedup.__wrapped__()
     assert (speedup > 0) == (packing_kind(torch.bfloat16) is not None) and speedup < 100
 
