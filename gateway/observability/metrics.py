@@ -64,13 +64,17 @@ class GatewayMetrics:
 
         # Labelled children by (metric, label values): `labels()` validates and hashes its arguments
         # on every call, several times per request; the label sets are bounded (see the module doc).
-        self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[Counter | Gauge | Histogram, tuple[str, ...]], Any] = {}
 
-    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+    def _child(self, metric: Counter | Gauge | Histogram, *values: str) -> Any:
         child = self._children.get((metric, values))
         if child is None:
             child = self._children[(metric, values)] = metric.labels(*values)
         return child
+
+    def in_flight_of(self, model: str) -> Any:
+        """The in_flight gauge of `model` (its labelled child)."""
+        return self._child(self.in_flight, model)
 
     def request_finished(self, tenant: str, model: str, status: str, seconds: float) -> None:
         """One completion request answered (or refused); `status` as in the module doc."""

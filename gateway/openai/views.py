@@ -95,7 +95,7 @@ async def generation(request: web.Request, kind: GenerationKind, route: str) -> 
                             worker_body(parsed, caller, meter.started_at, route),
                             _builder(route, parsed, int(time.time())), meter, claim, telemetry.tenant)
         metrics = app[METRICS]
-        in_flight = metrics.in_flight.labels(entry.name)
+        in_flight = metrics.in_flight_of(entry.name)
         in_flight.inc()
         metrics.answering += 1
         try:
