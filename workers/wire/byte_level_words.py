@@ -25,8 +25,11 @@ import re
 
 from tokenizers import Tokenizer
 
-CACHED_WORDS = 65536
-"""Distinct (scope, word) pairs kept, least recently used out first (~10 MiB at most)."""
+CACHED_WORDS = 32768
+"""Distinct (scope, word) pairs kept, least recently used out first."""
+MAX_CACHED_WORD_CHARS = 32
+"""Longer words are tokenized each time instead of held: the cache holds at most ~50 MiB (32-character
+words of a token a character), a few MiB for words of prose."""
 
 _LETTER, _DIGIT, _SPACE = "A-Za-z", "0-9", "\\t\\n\\x0b\\x0c\\r "
 _ASCII_WORDS = re.compile(
@@ -67,7 +70,7 @@ class ByteLevelWords:
             return None
         ids: list[int] = []
         for word in _ASCII_WORDS(text):
-            word_ids = self._word(word, scope)
+            word_ids = self._word(word, scope) if len(word) <= MAX_CACHED_WORD_CHARS else self._encode_word(word, scope)
             if word_ids is None:
                 return None
             ids.extend(word_ids)

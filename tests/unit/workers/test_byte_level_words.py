@@ -48,6 +48,14 @@ def test_word_ids_equal_tokenizers_ids(smollm2: Tokenizer) -> None:
             assert words.encode(text) == smollm2.encode(text, add_special_tokens=False).ids, repr(text)
 
 
+def test_long_words_are_tokenized_each_time_not_cached(smollm2: Tokenizer) -> None:
+    words = ByteLevelWords.for_tokenizer(smollm2)
+    assert words is not None
+    text = " " + "abc" * 40 + " " + "7" * 50 + " ok"
+    assert words.encode(text) == smollm2.encode(text, add_special_tokens=False).ids
+    assert words._word.cache_info().currsize == 1  # " ok" only
+
+
 def test_non_ascii_text_is_left_to_tokenizers(smollm2: Tokenizer) -> None:
     words = ByteLevelWords.for_tokenizer(smollm2)
     assert words is not None
