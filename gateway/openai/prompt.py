@@ -7,7 +7,7 @@ generate body a worker receives (workers/wire/generate.py).
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -59,7 +59,7 @@ async def parse_generation(request: web.Request, kind: GenerationKind, caller: C
         if span is not None:
             span.set_attribute("tollway.request.prompt_tokens", len(prompt))
     prefix = "resp_" if parse is not None else "chatcmpl-" if kind == "chat" else "cmpl-"
-    request_id = f"{prefix}{uuid.uuid4().hex}"
+    request_id = f"{prefix}{os.urandom(16).hex()}"  # 32 random hex digits (uuid4().hex: 122 random bits, 5x the time)
     return ParsedGeneration(request_id, raw, params, entry, prompt, max_tokens)
 
 
