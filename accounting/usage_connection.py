@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -57,20 +55,23 @@ class KeptConnection:
             except Exception as error:  # a dead connection may fail even to close
                 log.debug("closing the usage writer's connection failed: %s", error)
 
-    @contextmanager
-    def failing_fast(self) -> Iterator[None]:
-        """SQLite: within the block, a database another process is writing fails at once (SQLITE_BUSY)
-        instead of waiting up to the driver's busy timeout; afterwards, or when the connection is closed
-        within the block (it goes back to the pool), it waits again."""
-        driver = self._driver(self.get(time.perf_counter()))
+    def fail_fast(self) -> None:
+        """SQLite: from now on a database another process is writing fails at once (SQLITE_BUSY) instead
+        of waiting up to the driver's busy timeout, until `wait_on_locks` or `close` (the connection goes
+        back to the pool waiting). Sticky, so that commits made one after another the same way (inline
+        ones at one client) set the busy timeout once, not twice each."""
+        connection = self.get(time.perf_counter())  # one replaced for idling comes back waiting
+        if self._failing_fast:
+            return
+        driver = self._driver(connection)
         if self._busy_timeout_ms is None:  # every connection of the engine starts with the same
             self._busy_timeout_ms = int(driver.execute("PRAGMA busy_timeout").fetchone()[0])
         driver.execute("PRAGMA busy_timeout = 0")
         self._failing_fast = True
-        try:
-            yield
-        finally:
-            self._wait_again()
+
+    def wait_on_locks(self) -> None:
+        """Undo `fail_fast`: a locked database is waited for up to the driver's busy timeout again."""
+        self._wait_again()
 
     def _wait_again(self) -> None:
         if self._failing_fast and self._connection is not None:

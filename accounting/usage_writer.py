@@ -160,8 +160,8 @@ class UsageWriter:
             if stored is not None:
                 self._responses[record.request_id] = stored
             try:
-                with self._kept.failing_fast():
-                    bad = self._insert_all([record])
+                self._kept.fail_fast()
+                bad = self._insert_all([record])
             except Exception as error:
                 log.debug("inline usage commit failed, handing the row to the writer thread: %s", error)
                 return False
@@ -232,8 +232,10 @@ class UsageWriter:
             elif item is not None:
                 batch, stopping = self._gather(item)
                 with self._kept.lock:
+                    self._kept.wait_on_locks()  # after inline commits (try_write_now) failed fast
                     self._write_batch(batch)
             with self._kept.lock:
+                self._kept.wait_on_locks()
                 self._replay.run_if_due(stopping=stopping)
 
     def _next_item(self) -> Any:

@@ -357,7 +357,7 @@ def test_a_busy_or_failing_database_leaves_the_row_to_write(engine: Engine, spoo
 def test_a_database_another_process_is_writing_is_not_waited_for_inline(engine: Engine, tmp_path: Path,
                                                                         writers) -> None:
     """SQLite locked by another writer: try_write_now gives up at once (the caller's event loop must not
-    wait out the busy timeout) and leaves the row to write(); the kept connection waits again afterwards."""
+    wait out the busy timeout) and leaves the row to write(); the writer thread's batches wait again."""
     writer = writers()
     assert writer.try_write_now(record(1))  # the kept connection exists
     other = sqlite3.connect(tmp_path / "tollway.db", isolation_level=None)
@@ -368,7 +368,19 @@ def test_a_database_another_process_is_writing_is_not_waited_for_inline(engine: 
     other.execute("ROLLBACK")
     other.close()
     assert writer.try_write_now(record(3))
-    busy_ms = writer._kept.get(time.perf_counter()).connection.driver_connection.execute("PRAGMA busy_timeout")
-    assert busy_ms.fetchone()[0] == 5000
-    writer.submit(record(2)).result(timeout=10)
+    assert busy_timeout_ms(writer) == 0  # inline commits set it once, not twice each
+    other = sqlite3.connect(tmp_path / "tollway.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    waiting = writer.submit(record(2))  # the writer thread's batch waits for the lock, not spools the row
+    time.sleep(0.3)
+    other.execute("ROLLBACK")
+    other.close()
+    waiting.result(timeout=10)
     assert set(stored(engine)) == {"req-1", "req-2", "req-3"}
+    assert busy_timeout_ms(writer) == 5000
+
+
+def busy_timeout_ms(writer: UsageWriter) -> int:
+    with writer._kept.lock:
+        driver = writer._kept.get(time.perf_counter()).connection.driver_connection
+        return int(driver.execute("PRAGMA busy_timeout").fetchone()[0])
