@@ -5,8 +5,9 @@ A checkout and checkin per transaction (the pool's reset rollback, PostgreSQL's 
 much as a small batch's insert, so the connection stays checked out. One idle for `IDLE_S` is replaced, so a
 server that dropped it meanwhile is pinged at checkout instead of failing a batch into the spool.
 
-Ownership: whoever holds `lock` may call `get`, `used` and `close`: the writer thread for its batches and spool
-replays, or a caller committing its own row inline (`UsageWriter.try_write_now`) while the thread is idle.
+Ownership: whoever holds `lock` may call its methods: the writer thread for its batches and spool replays
+(after `wait_on_locks`: they wait out another process's write lock), or a caller committing its own row inline
+(`UsageWriter.try_write_now`, after `fail_fast`: it must never wait on one) while the thread is idle.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class KeptConnection:
         self._connection: Connection | None = None
         self._used_at = 0.0
         self._busy_timeout_ms: int | None = None  # SQLite's, as this engine's connections start (read once)
-        self._failing_fast = False  # the kept connection's busy timeout is 0 until `_wait_again`
+        self._failing_fast = False  # the kept connection's busy timeout is 0 until `wait_on_locks`
 
     def get(self, now: float) -> Connection:
         """The kept connection (a fresh one at first, after `close`, or after IDLE_S unused)."""
@@ -47,7 +48,7 @@ class KeptConnection:
 
     def close(self) -> None:
         """Drop the connection (after a failure it may be broken; the next `get` checks out a fresh one)."""
-        self._wait_again()  # the pool may hand it to anyone next
+        self.wait_on_locks()  # the pool may hand it to anyone next
         connection, self._connection = self._connection, None
         if connection is not None:
             try:
@@ -71,9 +72,6 @@ class KeptConnection:
 
     def wait_on_locks(self) -> None:
         """Undo `fail_fast`: a locked database is waited for up to the driver's busy timeout again."""
-        self._wait_again()
-
-    def _wait_again(self) -> None:
         if self._failing_fast and self._connection is not None:
             try:
                 self._driver(self._connection).execute(f"PRAGMA busy_timeout = {self._busy_timeout_ms}")
