@@ -18,7 +18,8 @@ from typing import Any
 
 from accounting.models import UsageEvent
 
-_TIME_FIELDS = ("started_at", "finished_at")
+TIME_FIELDS = ("started_at", "finished_at")
+"""The datetime fields (timezone-aware, UTC)."""
 _TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 _COPY_SPECIAL = re.compile(r"[\\\t\n\r]")  # a search costs far less than a translate
@@ -65,7 +66,7 @@ class UsageRecord:
     before the column existed)."""
 
     def __post_init__(self) -> None:
-        for name in _TIME_FIELDS:
+        for name in TIME_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, datetime) or value.tzinfo is None:
                 raise ValueError(f"{name} must be a timezone-aware datetime, got {value!r}")
@@ -88,7 +89,7 @@ class UsageRecord:
     def to_json(self) -> str:
         """One spool line (without the newline): a JSON object, times in ISO 8601 with offset."""
         row = self.to_row()
-        for name in _TIME_FIELDS:
+        for name in TIME_FIELDS:
             row[name] = row[name].isoformat()
         return json.dumps(row, separators=(",", ":"))
 
@@ -113,7 +114,7 @@ class UsageRecord:
         data = json.loads(line)
         if not isinstance(data, dict):
             raise ValueError("a usage spool line must be a JSON object")
-        for name in _TIME_FIELDS:
+        for name in TIME_FIELDS:
             if isinstance(data.get(name), str):
                 data[name] = datetime.fromisoformat(data[name])
         return cls(**data)

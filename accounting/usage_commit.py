@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,7 +22,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
 from accounting.models import IdempotentResponse, UsageEvent
-from accounting.usage import FIELD_NAMES, UsageRecord
+from accounting.usage import FIELD_NAMES, TIME_FIELDS, UsageRecord
 
 SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 
@@ -33,6 +34,9 @@ _POSTGRESQL_INSERT = (postgresql.insert(_TABLE).on_conflict_do_nothing(index_ele
 _COLUMNS = ", ".join(FIELD_NAMES)
 _SQLITE_TIME = cast(Callable[[datetime], str], sqlite.DATETIME().bind_processor(sqlite.dialect()))
 """A naive datetime as SQLite's DATETIME column text (UsageRecord times are UTC: see its __post_init__)."""
+_COLUMN_VALUES = operator.attrgetter(*FIELD_NAMES)
+"""A record's values in FIELD_NAMES order, in one call."""
+_TIME_COLUMNS = tuple(FIELD_NAMES.index(name) for name in TIME_FIELDS)
 _SQLITE_ROWS_PER_INSERT = 999 // len(FIELD_NAMES)
 """Rows of one SQLite INSERT: within the 999 parameters of SQLite builds before 3.32."""
 # The staging table lives in the connection's session (pg_temp) and is emptied by every commit.
@@ -81,11 +85,13 @@ def insert_records(connection: Connection, records: list[UsageRecord]) -> None:
         raise ValueError(f"usage rows go to {', '.join(SUPPORTED_DIALECTS)}, not {dialect.name}")
 
 
-def _sqlite_params(record: UsageRecord) -> tuple[Any, ...]:
+def _sqlite_params(record: UsageRecord) -> list[Any]:
     """The record's columns (FIELD_NAMES order) as the SQLite driver takes them: times as the naive UTC text
     SQLAlchemy's own SQLite DATETIME stores (its bind processor writes it), so either path reads back alike."""
-    return tuple(_SQLITE_TIME(value.replace(tzinfo=None)) if isinstance(value, datetime) else value
-                 for value in (getattr(record, name) for name in FIELD_NAMES))
+    values = list(_COLUMN_VALUES(record))
+    for index in _TIME_COLUMNS:
+        values[index] = _SQLITE_TIME(values[index].replace(tzinfo=None))
+    return values
 
 
 @functools.lru_cache(maxsize=_SQLITE_ROWS_PER_INSERT)
