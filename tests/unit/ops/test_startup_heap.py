@@ -1,4 +1,5 @@
-"""The serving processes' start-up heap is frozen while they serve, and handed back at shutdown.
+"""The serving processes' start-up heap is frozen while they serve, and handed back at shutdown; their
+young generation is collected less often meanwhile.
 
 Checked in a fresh interpreter: in the test process, objects other tests left behind (their event
 loops, threads, caches) can die during the check's full collection, and a frozen object that dies
@@ -15,9 +16,10 @@ CHECK = textwrap.dedent("""
     import asyncio, gc
     from aiohttp import web
     from aiohttp.test_utils import TestServer
-    from ops.startup_heap import frozen_startup_heap
+    from ops.startup_heap import YOUNG_THRESHOLD, frozen_startup_heap
 
     async def main() -> None:
+        default = gc.get_threshold()
         app = web.Application()
         app.cleanup_ctx.append(frozen_startup_heap)
         server = TestServer(app)
@@ -27,9 +29,17 @@ CHECK = textwrap.dedent("""
             assert frozen > 1000, frozen  # the process's modules, at least
             gc.collect()  # a full collection while serving leaves the frozen objects where they are
             assert gc.get_freeze_count() == frozen, (gc.get_freeze_count(), frozen)
+            assert gc.get_threshold() == (YOUNG_THRESHOLD, *default[1:]), (gc.get_threshold(), default)
+            collections = gc.get_stats()[0]["collections"]
+            garbage = [[] for _ in range(1000)]  # more new objects than Python's 700 ...
+            for cell in garbage:
+                cell.append(cell)  # ... each in a cycle, so only the collector frees them
+            del garbage
+            assert gc.get_stats()[0]["collections"] == collections  # no young collection for them
         finally:
             await server.close()
         assert gc.get_freeze_count() == 0, gc.get_freeze_count()  # handed back at shutdown
+        assert gc.get_threshold() == default, (gc.get_threshold(), default)
 
     asyncio.run(main())
     print("ok")
