@@ -101,12 +101,12 @@ def gateway(host: str | None, port: int | None) -> None:
 
     from gateway.app import run_gateway
     from gateway.settings import GatewaySettings
-    from ops.startup_heap import frozen_startup_heap
+    from ops.startup_heap import frozen_startup_heap, rarer_young_collections
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = GatewaySettings()
     settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
-    run_gateway(settings, last_contexts=[frozen_startup_heap])
+    run_gateway(settings, last_contexts=[frozen_startup_heap, rarer_young_collections])
 
 
 @cli.command()

@@ -1,5 +1,5 @@
 """The serving processes' start-up heap is frozen while they serve, and handed back at shutdown; their
-young generation is collected less often meanwhile.
+young generation (the gateway's) is collected less often meanwhile.
 
 Checked in a fresh interpreter: in the test process, objects other tests left behind (their event
 loops, threads, caches) can die during the check's full collection, and a frozen object that dies
@@ -16,12 +16,13 @@ CHECK = textwrap.dedent("""
     import asyncio, gc
     from aiohttp import web
     from aiohttp.test_utils import TestServer
-    from ops.startup_heap import YOUNG_THRESHOLD, frozen_startup_heap
+    from ops.startup_heap import YOUNG_THRESHOLD, frozen_startup_heap, rarer_young_collections
 
     async def main() -> None:
         default = gc.get_threshold()
         app = web.Application()
         app.cleanup_ctx.append(frozen_startup_heap)
+        app.cleanup_ctx.append(rarer_young_collections)
         server = TestServer(app)
         await server.start_server()
         try:
