@@ -6,7 +6,8 @@ and writes them at exit to `$GC_PROBE_DIR/gc.<pid>` (the directory must exist).
         .venv/bin/python -m ops.bench.gateway_overhead --seconds 8 --concurrency 1,64 --no-stream
     cat /tmp/gc/gc.*   # one file per process: its command line, then a line per generation
 
-Measurement only: nothing in tollway imports it. Without GC_PROBE_DIR it does nothing (not a TOLLWAY_ variable: the benches do not pass those on).
+Measurement only: nothing in tollway imports it. Without GC_PROBE_DIR it does nothing (not a TOLLWAY_
+variable: the benches do not pass those on to the processes they start).
 """
 
 from __future__ import annotations
