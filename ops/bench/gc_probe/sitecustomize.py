@@ -42,8 +42,9 @@ class _Probe:
         with open(os.path.join(directory, f"gc.{os.getpid()}"), "w") as out:
             out.write(" ".join(sys.orig_argv) + "\n")
             for generation in range(3):
-                out.write(f"generation {generation}: {self.collections[generation]} collections, "
-                          f"{self.seconds[generation] * 1e3:.1f} ms, {self.collected[generation]} objects freed\n")
+                ms = self.seconds[generation] * 1e3
+                out.write(f"generation {generation}: {self.collections[generation]} collections, {ms:.1f} ms, "
+                          f"{self.collected[generation]} objects freed\n")
 
 
 if _DIRECTORY:
