@@ -42,8 +42,8 @@ class _Probe:
         with open(os.path.join(directory, f"gc.{os.getpid()}"), "w") as out:
             out.write(" ".join(sys.orig_argv) + "\n")
             for generation in range(3):
-                ms = self.seconds[generation] * 1e3
-                out.write(f"generation {generation}: {self.collections[generation]} collections, {ms:.1f} ms, "
+                count, ms = self.collections[generation], self.seconds[generation] * 1e3
+                out.write(f"generation {generation}: {count} collections, {ms:.1f} ms, "
                           f"{self.collected[generation]} objects freed\n")
 
 
