@@ -1,6 +1,7 @@
-"""fp32 matmuls of a few rows, as a decode step runs them: `tollway_cpu::few_rows_linear` against MKL's sgemm
-(plain `F.linear`, and packed for 32 rows as `workers/models/packed_linear.py` packs) and oneDNN's packed fp32
-inner product (issue 21).
+"""Matmuls of a few rows, as a decode step runs them (issue 21): in fp32, `tollway_cpu::few_rows_linear` against
+MKL's sgemm (plain `F.linear`, and packed for 32 rows as `workers/models/packed_linear.py` packs) and oneDNN's
+packed fp32 inner product; with `--dtype bfloat16` (a CPU with AVX512-BF16), its bf16 kernel against `F.linear` and
+oneDNN's packed bf16 GEMM (what the native step ran before).
 
 The weights are those of a whole model's layers, so each matmul reads its weight from memory as a decode step
 does (a step reads every layer's weights once; a loop over one weight would find it in cache). For each shape
@@ -8,7 +9,7 @@ of the default model's projections and row count M it prints GFLOP/s and GB/s of
 `--rounds` passes over all the weights), and one line of memory bandwidth (`torch.sum` over 400 MB) to read them
 against. Runs on a background thread as the engine's step does.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/few_rows.py [--rows 1,4,16,32,64,128] [--rounds 3]
+    PYTHONPATH=. .venv/bin/python ops/bench/few_rows.py [--rows 1,4,16,32,64,128] [--rounds 3] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -46,34 +47,33 @@ def memory_line(rounds: int) -> str:
     return f"memory: torch.sum over 400 MB at {4e8 / seconds / 1e9:.1f} GB/s"
 
 
-def systems_for(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor],
-                dnn: list[torch.Tensor]) -> dict[str, Callable[[int], object]]:
-    """Each system's matmul of `x` by weight i."""
-    systems: dict[str, Callable[[int], object]] = {
-        "F.linear": lambda i: F.linear(x, weights[i]),
-        "MKL packed(32)": lambda i: torch.ops.mkl._mkl_linear(x, packed[i], weights[i], None, 32),
-        "few_rows_linear": lambda i: torch.ops.tollway_cpu.few_rows_linear(x, weights[i], None),
-    }
-    if dnn:
+def systems_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Callable[[int], object]]:
+    """Each system's matmul of `x` by weight i (the packed copies made here, for 32 rows)."""
+    systems: dict[str, Callable[[int], object]] = {"F.linear": lambda i: F.linear(x, weights[i])}
+    if x.dtype == torch.float32:
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in weights]
+        systems["MKL packed(32)"] = lambda i: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, 32)
+    systems["few_rows_linear"] = lambda i: torch.ops.tollway_cpu.few_rows_linear(x, weights[i], None)
+    if torch.backends.mkldnn.is_available():
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
         systems["oneDNN packed"] = lambda i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")
     return systems
 
 
-def bench(rows: list[int], rounds: int) -> None:
+def bench(rows: list[int], rounds: int, dtype: torch.dtype) -> None:
     print(memory_line(rounds))
+    size = torch.finfo(dtype).bits // 8
     for name, (n, k) in SHAPES.items():
-        weights = [torch.randn(n, k) for _ in range(max(2, WEIGHT_BYTES // (n * k * 4)))]
-        packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in weights]
-        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights] if torch.backends.mkldnn.is_available() else []
+        weights = [torch.randn(n, k).to(dtype) for _ in range(max(2, WEIGHT_BYTES // (n * k * size)))]
         for m in rows:
-            x = torch.randn(m, k)
-            reference = F.linear(x, weights[0])
-            got = torch.ops.tollway_cpu.few_rows_linear(x, weights[0], None)
+            x = torch.randn(m, k).to(dtype)
+            reference = F.linear(x.float(), weights[0].float())
+            got = torch.ops.tollway_cpu.few_rows_linear(x, weights[0], None).float()
             error = ((got - reference).abs().max() / reference.abs().max()).item()
             cells = []
-            for label, run in systems_for(x, weights, packed, dnn).items():
+            for label, run in systems_for(x, weights).items():
                 s = best_seconds(run, len(weights), rounds) / len(weights)
-                cells.append(f"{label} {2 * m * n * k / s / 1e9:6.1f} GFLOP/s {n * k * 4 / s / 1e9:5.1f} GB/s")
+                cells.append(f"{label} {2 * m * n * k / s / 1e9:6.1f} GFLOP/s {n * k * size / s / 1e9:5.1f} GB/s")
             print(f"{name:8} M={m:4d}  " + " | ".join(cells) + f"  (max rel. diff {error:.1e})", flush=True)
 
 
@@ -81,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,32,64,128")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     if not native.load():
         raise SystemExit(f"the native library is needed: {native.unavailable_reason()}")
@@ -88,7 +89,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     rows = [int(v) for v in args.rows.split(",")]
-    thread = threading.Thread(target=bench, args=(rows, args.rounds))  # as the engine's step runs
+    thread = threading.Thread(target=bench, args=(rows, args.rounds, getattr(torch, args.dtype)))  # as the engine's step runs
     thread.start()
     thread.join()
 

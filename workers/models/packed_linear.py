@@ -2,7 +2,11 @@
 (`mkldnn._reorder_linear_weight` + `_linear_pointwise`, only where oneDNN computes bf16 natively), fp32
 batches of a few rows on the native library's `few_rows_linear`.
 
-- bf16: the packed LM head ran 4x faster than `F.linear` at M = 32 on an AVX512-BF16 host.
+- bf16: the packed LM head ran 4x faster than `F.linear` at M = 32 on an AVX512-BF16 host. For
+  `BF16_FEW_ROWS` rows on a CPU with AVX512-BF16 and no AMX, `few_rows_linear`'s bf16 kernel
+  (kernels/cpu/native/few_rows_bf16.cpp) runs instead: a decode step's projections and LM head at 32 rows
+  took 12.1 ms there against oneDNN's 15.6 on a Zen 5 EPYC (ops/bench/RESULTS.md). AMX CPUs keep oneDNN
+  (its AMX kernels; not measured here); so do other row counts and prefill.
 - fp32: MKL's sgemm, packed (`_mkl_reorder_linear_weight`, which this module used before) or not, read a
   decode step's weights at 3-7 GB/s on a 2-core AVX2 EPYC that streams memory at ~30 GB/s; `few_rows_linear`
   (kernels/cpu/native/few_rows.cpp) reads each weight row once and multiplies it by every row of the batch
@@ -34,6 +38,11 @@ PACKED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 FEW_ROWS_MAX_ROWS = 64
 """fp32 batches up to this many rows run on `few_rows_linear`: measured faster than MKL's packed and plain
 sgemm from 1 to 64 rows on an AVX2 EPYC; from 128 rows MKL was level or ahead (ops/bench/RESULTS.md)."""
+BF16_FEW_ROWS = range(16, 49)
+"""bf16 batches of these many rows run on `few_rows_linear` (where `bf16_few_rows_available`): on a Zen 5 EPYC
+(`ops/bench/few_rows.py --dtype bfloat16`) it led oneDNN's packed GEMM from 16 to 48 rows on every projection
+(up to 1.8x at 48) and was level on the LM head at 16-17; oneDNN led below (its M = 1 reads the weight at twice
+the rate: this kernel computes 16 rows at least) and on the LM head and gate_up from 49 (4 vectors of rows)."""
 
 
 def packing_kind(dtype: torch.dtype) -> str | None:
@@ -44,6 +53,15 @@ def packing_kind(dtype: torch.dtype) -> str | None:
     if dtype == torch.float32 and native.is_loaded():
         return "few_rows"
     return None
+
+
+def bf16_few_rows_available() -> bool:
+    """Whether bf16 batches of a few rows run on `few_rows_linear` here: the native library is loaded, built
+    for AVX512 on a CPU with AVX512-BF16 (what its tile kernels need too), and the CPU has no AMX (oneDNN's
+    AMX kernels are left as they are: not measured against)."""
+    from workers.precision import cpu_has_amx_bf16  # here: workers.precision imports this module
+
+    return native.is_loaded() and native.tile_matmul_available() and not cpu_has_amx_bf16()
 
 
 class PackedLinear(nn.Module):
@@ -62,22 +80,30 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed", packed, persistent=False)
+        self.bf16_few_rows = kind == "mkldnn" and linear.in_features % 2 == 0 and bf16_few_rows_available()
+
+    def runs_few_rows(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows runs on `few_rows_linear` (fp32, or bf16 where `bf16_few_rows`)."""
+        if self.kind == "few_rows":
+            return rows <= FEW_ROWS_MAX_ROWS
+        return self.bf16_few_rows and rows in BF16_FEW_ROWS
 
     def row_kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`few_rows_linear` bound to this layer's weights where a batch of `rows` rows runs on it (for the
         decode step's plan, workers/models/layer_plan.py); None otherwise."""
-        if self.kind != "few_rows" or rows > FEW_ROWS_MAX_ROWS:
+        if not self.runs_few_rows(rows):
             return None
         return functools.partial(torch.ops.tollway_cpu.few_rows_linear.default, weight=self.weight, bias=self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.kind == "mkldnn":  # one opaque op (see packed_linear_op)
+            assert self.packed is not None
+            return packed_linear_op(x, self.packed, self.weight, self.bias)
+        if x.dim() == 2 and self.runs_few_rows(x.shape[0]):
+            return _few_rows_linear(x, self.weight, self.bias)
         if self.kind == "few_rows":
-            if x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX_ROWS:
-                return _few_rows_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         assert self.packed is not None  # mkldnn
-        if torch.compiler.is_compiling():  # traced by torch.compile: one opaque op (see packed_linear_op)
-            return packed_linear_op(x, self.packed, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -55,6 +55,31 @@ inline bool bf16_dot_available() {
   static const bool available = __builtin_cpu_supports("avx512bf16");
   return available;
 }
+
+// The 16 x 16 block of 32-bit values in r transposed in place (r[i] lane j -> r[j] lane i): 32-bit and 64-bit
+// interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles.
+TOLLWAY_BF16_DOT inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int64_t q = 0; q < 4; ++q) {  // rows 4q .. 4q + 3
+    t[4 * q + 0] = _mm512_unpacklo_epi32(r[4 * q], r[4 * q + 1]);
+    t[4 * q + 1] = _mm512_unpackhi_epi32(r[4 * q], r[4 * q + 1]);
+    t[4 * q + 2] = _mm512_unpacklo_epi32(r[4 * q + 2], r[4 * q + 3]);
+    t[4 * q + 3] = _mm512_unpackhi_epi32(r[4 * q + 2], r[4 * q + 3]);
+    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);  // column 4L + 0 of lane L, rows 4q..4q+3
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  for (int64_t j = 0; j < 4; ++j) {
+    const __m512i va = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), vb = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+    const __m512i wa = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i wb = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    r[j] = _mm512_shuffle_i32x4(va, wa, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(va, wa, 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(vb, wb, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(vb, wb, 0xdd);
+  }
+}
 #endif
 
 // n floats from src (fp32, bf16 or fp16) into dst, any n: 2W values per vector step, the tail one at a time.

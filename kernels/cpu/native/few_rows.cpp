@@ -14,7 +14,7 @@
 //
 // Rounding: fp32 products with fused multiply-adds, summed in a different order than a BLAS sgemm: results
 // differ from F.linear by fp32 rounding (relative ~1e-6), never in kind.
-#include "common.h"
+#include "few_rows.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -65,10 +65,17 @@ void weight_rows(const float* x, int64_t M, const float* w, int64_t K, float* y,
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "few_rows_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "few_rows_linear: fp32 x and weight expected");
   TORCH_CHECK(weight.is_contiguous(), "few_rows_linear: a contiguous weight expected");
   const at::Tensor xc = x.contiguous();
+#if defined(CPU_CAPABILITY_AVX512)
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+    at::Tensor y = tollway_native::few_rows_bf16(xc, weight);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
+#endif
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "few_rows_linear: fp32 x and weight expected (bf16 on AVX512-BF16 CPUs)");
   const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;

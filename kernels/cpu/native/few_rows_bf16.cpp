@@ -1,0 +1,115 @@
+// bf16 matmuls of a few rows against a plain weight on AVX512-BF16 (issue 21): few_rows_linear (few_rows.cpp)
+// runs here for bf16 x and weight, y [M, N] bf16 = x [M, K] @ weight [N, K]^T, M <= 64.
+//
+// Why: a bf16 decode step's 121 projections and LM head at 32 rows took 15.6 ms on oneDNN's packed GEMM on a
+// 2-core Zen 5 EPYC (AVX512-BF16, no AMX), reading the step's 269 MB of weights at ~17 GB/s; this kernel took
+// 12.1 ms on the same weights (ops/bench/RESULTS.md). At 32 rows each weight value is used 32 times: the
+// weight's stream from memory is what the GEMM waits on. Without the software prefetch of the weight below it
+// took 15.5 ms; below 16 rows (it computes 16 at least) oneDNN stays ahead (workers/models/packed_linear.py).
+//
+// Layout of the work: x is rewritten once per call as pairs [K / 2][Mpad] of 32 bits (x[m][2p], x[m][2p + 1]),
+// Mpad = M rounded up to 16 with zero rows; a tile is NW adjacent weight rows (contiguous in the plain layout:
+// one sequential stream a tile, prefetched two tiles ahead) against every row of x. Per pair p of K, each of the
+// tile's NW weight rows gives one broadcast 32-bit pair and vdpbf16ps multiplies it by 16 rows' pairs of x: MV
+// vectors of 16 rows x NW columns = 24 (or 16) fp32 accumulators, no horizontal sums. The accumulators are
+// transposed 16 x 16 (columns to rows) and stored as bf16, as oneDNN's bf16 output rounds.
+//
+// Rounding: the products are exact, summed in fp32 in K order (two products a step): results differ from
+// oneDNN's bf16 GEMM by fp32 summation order before the bf16 rounding of the output.
+#include "few_rows.h"
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace tollway_native {
+namespace {
+
+constexpr int64_t kTilesAhead = 2;  // the weight stream is prefetched this many tiles ahead of the one in use
+
+// The tile of NW weight rows at w against every row of x (xpairs, MV vectors of 16 rows, M real): y's columns
+// [n0, n0 + cols), cols <= NW (the stores keep that many). Prefetches past the weight's end are harmless.
+template <int64_t MV, int64_t NW>
+TOLLWAY_BF16_DOT void column_tile(const uint32_t* xpairs, int64_t Mpad, int64_t M, const BFloat16* w, int64_t K,
+                                  BFloat16* y, int64_t N, int64_t n0, int64_t cols) {
+  static_assert(NW <= 16 && MV * NW <= 24, "NW columns of MV vectors: the accumulators and 16-column transposes");
+  const int64_t K2 = K / 2;
+  const uint32_t* wpairs = reinterpret_cast<const uint32_t*>(w);  // weight row c's pairs at c * K2
+  __m512 acc[NW][MV];
+  for (int64_t c = 0; c < NW; ++c) {
+    for (int64_t v = 0; v < MV; ++v) acc[c][v] = _mm512_setzero_ps();
+  }
+  // The tile kTilesAhead on: its NW * K * 2 bytes spread over this tile's K2 pair steps, a line at a time.
+  const char* ahead = reinterpret_cast<const char*>(w + kTilesAhead * NW * K);
+  const int64_t lines = NW * K * 2 / 64;
+  int64_t fetched = 0;
+  for (int64_t p = 0; p < K2; ++p) {
+    while (fetched * K2 < lines * (p + 1)) _mm_prefetch(ahead + 64 * fetched++, _MM_HINT_T0);
+    __m512bh xv[MV];
+    for (int64_t v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xpairs + p * Mpad + 16 * v);
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < NW; ++c) {
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(wpairs[c * K2 + p]));
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < MV; ++v) acc[c][v] = _mm512_dpbf16_ps(acc[c][v], xv[v], wb);
+    }
+  }
+  // acc[c][v] lane j is y[16 v + j][n0 + c]: transposed, row j of vector v holds its NW columns.
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t v = 0; v < MV; ++v) {
+    __m512i r[16];
+    for (int64_t c = 0; c < 16; ++c) r[c] = c < NW ? _mm512_castps_si512(acc[c][v]) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t j = 0; j < 16 && 16 * v + j < M; ++j) {
+      _mm256_mask_storeu_epi16(y + (16 * v + j) * N + n0, keep,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
+    }
+  }
+}
+
+template <int64_t MV>
+TOLLWAY_BF16_DOT void all_tiles(const uint32_t* xpairs, int64_t M, const BFloat16* w, int64_t K, int64_t N,
+                                BFloat16* y) {
+  constexpr int64_t NW = MV == 1 ? 16 : 24 / MV;
+  const int64_t Mpad = 16 * MV, tiles = (N + NW - 1) / NW;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NW, cols = std::min(NW, N - n0);
+      if (cols == NW) {
+        column_tile<MV, NW>(xpairs, Mpad, M, w + n0 * K, K, y, N, n0, NW);
+      } else {  // the weight's last rows: one column a pass, each stored on its own
+        for (int64_t c = 0; c < cols; ++c) column_tile<MV, 1>(xpairs, Mpad, M, w + (n0 + c) * K, K, y, N, n0 + c, 1);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(bf16_dot_available(), "few_rows_linear: bf16 needs a CPU with AVX512-BF16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M <= kFewRowsBf16MaxRows, "few_rows_linear: bf16 takes at most ", kFewRowsBf16MaxRows, " rows, got ", M);
+  TORCH_CHECK(K % 2 == 0, "few_rows_linear: bf16 needs an even K (pairs of K), got ", K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t MV = (M + 15) / 16, Mpad = 16 * MV, K2 = K / 2;
+  std::vector<uint32_t> xpairs(K2 * Mpad, 0);
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(x.data_ptr<BFloat16>());  // [M][K2], x contiguous
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t p = 0; p < K2; ++p) xpairs[p * Mpad + m] = rows[m * K2 + p];
+  }
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  BFloat16* yp = y.data_ptr<BFloat16>();
+  switch (MV) {
+    case 1: all_tiles<1>(xpairs.data(), M, w, K, N, yp); break;
+    case 2: all_tiles<2>(xpairs.data(), M, w, K, N, yp); break;
+    case 3: all_tiles<3>(xpairs.data(), M, w, K, N, yp); break;
+    default: all_tiles<4>(xpairs.data(), M, w, K, N, yp); break;
+  }
+  return y;
+}
+
+}  // namespace tollway_native
+#endif

@@ -1,0 +1,109 @@
+"""The bf16 matmul of a few rows (`few_rows_linear` on bf16, kernels/cpu/native/few_rows_bf16.cpp) against the
+fp32 product rounded to bf16, and the native step's bf16 linear (workers/models/packed_linear.py) running it for
+BF16_FEW_ROWS rows and oneDNN's packed GEMM otherwise.
+
+Runs where the library is built for AVX512 on a CPU with AVX512-BF16 (what `tile_matmul_available` reports);
+on such a CPU its absence fails, elsewhere the tests skip and the last one checks the op refuses bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import native
+from tests.required import require_native
+from workers.models import packed_linear
+from workers.models.packed_linear import BF16_FEW_ROWS, PackedLinear
+from workers.precision import cpu_flags, cpu_has_amx_bf16
+
+pytestmark = pytest.mark.cpu_isa  # each test needs the CPU to have AVX512-BF16, or to lack it
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops() -> None:
+    require_native()
+
+
+def bf16_kernel_or_skip() -> None:
+    if not native.tile_matmul_available():
+        expected = torch.backends.cpu.get_cpu_capability().startswith("AVX512") and "avx512_bf16" in cpu_flags()
+        assert not expected, "this CPU has AVX512-BF16, yet the library's bf16 kernels are unavailable"
+        pytest.skip("the bf16 kernel needs AVX512-BF16")
+
+
+def close_to_rounded(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The exact products summed in fp32, then rounded once to bf16: within one bf16 step (2^-8 relative) of
+    the fp32 product, plus fp32 summation-order noise near zero."""
+    want = F.linear(x.float(), weight.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
+# Rows: 1..64 across the four accumulator widths (1-4 vectors of 16) and their padding; weight rows: tails past
+# each width's tile of columns (16, 12, 8, 6); K: the smallest pair, the model's 576 and 1,536.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 49, 64])
+@pytest.mark.parametrize(("n", "k"), [(1, 2), (13, 6), (25, 64), (37, 576), (960, 576), (576, 1536)])
+def test_equals_the_fp32_product_rounded(rows: int, n: int, k: int) -> None:
+    bf16_kernel_or_skip()
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    close_to_rounded(torch.ops.tollway_cpu.few_rows_linear(x, weight, None), x, weight)
+    with_bias = torch.ops.tollway_cpu.few_rows_linear(x, weight, bias)
+    torch.testing.assert_close(with_bias, torch.ops.tollway_cpu.few_rows_linear(x, weight, None) + bias)
+
+
+def test_a_strided_x_zero_rows_and_bad_arguments() -> None:
+    bf16_kernel_or_skip()
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(20, 40, generator=generator).bfloat16()
+    strided = torch.randn(7, 80, generator=generator).bfloat16()[:, ::2]
+    close_to_rounded(torch.ops.tollway_cpu.few_rows_linear(strided, weight, None), strided, weight)
+    assert torch.ops.tollway_cpu.few_rows_linear(torch.empty(0, 40).bfloat16(), weight, None).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        torch.ops.tollway_cpu.few_rows_linear(torch.randn(65, 40).bfloat16(), weight, None)
+    with pytest.raises(RuntimeError, match="even K"):
+        torch.ops.tollway_cpu.few_rows_linear(torch.randn(3, 41).bfloat16(), torch.randn(4, 41).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="fp32 x and weight"):  # mixed dtypes
+        torch.ops.tollway_cpu.few_rows_linear(torch.randn(3, 40), weight, None)
+
+
+def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16_kernel_or_skip()
+    if cpu_has_amx_bf16():
+        pytest.skip("AMX CPUs keep oneDNN's kernels")
+    generator = torch.Generator().manual_seed(9)
+    linear = nn.Linear(96, 200, bias=False).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 96, generator=generator))
+    packed = PackedLinear(linear, "mkldnn")
+    assert packed.bf16_few_rows and packed.packed is not None  # oneDNN's copy stays for the other row counts
+    calls: list[int] = []
+    real = torch.ops.tollway_cpu.few_rows_linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(packed_linear, "_few_rows_linear", counted)
+    first, last = BF16_FEW_ROWS[0], BF16_FEW_ROWS[-1]
+    with torch.no_grad():
+        for rows in (1, first - 1, first, 32, last, last + 1, 300):
+            x = torch.randn(rows, 96, generator=generator).bfloat16()
+            close_to_rounded(packed(x), x, linear.weight)
+    assert calls == [first, 32, last]
+    assert packed.row_kernel_for(32) is not None and packed.row_kernel_for(1) is None
+    assert packed.row_kernel_for(last + 1) is None
+    odd = PackedLinear(nn.Linear(95, 8, bias=False).bfloat16(), "mkldnn")
+    assert not odd.bf16_few_rows and odd.row_kernel_for(32) is None  # an odd K stays on oneDNN
+
+
+def test_without_avx512_bf16_the_op_refuses_bf16() -> None:
+    if native.tile_matmul_available():
+        pytest.skip("this CPU runs the bf16 kernel (the tests above)")
+    weight = torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        torch.ops.tollway_cpu.few_rows_linear(torch.randn(2, 8).bfloat16(), weight, None)
