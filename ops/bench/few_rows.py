@@ -1,7 +1,7 @@
-"""Matmuls of a few rows, as a decode step runs them (issue 21): in fp32, `tollway_cpu::few_rows_linear` against
-MKL's sgemm (plain `F.linear`, and packed for 32 rows as `workers/models/packed_linear.py` packs) and oneDNN's
-packed fp32 inner product; with `--dtype bfloat16` (a CPU with AVX512-BF16), its bf16 kernel against `F.linear` and
-oneDNN's packed bf16 GEMM (what the native step ran before).
+"""Matmuls of a few rows, as a decode step runs them (issue 21): in fp32, `tollway_cpu::few_rows_linear`
+against MKL's sgemm (plain `F.linear`, and packed for 32 rows as `workers/models/packed_linear.py` packs) and
+oneDNN's packed fp32 inner product; with `--dtype bfloat16` (a CPU with AVX512-BF16), its bf16 kernel against
+`F.linear` and oneDNN's packed bf16 GEMM (what the native step ran before).
 
 The weights are those of a whole model's layers, so each matmul reads its weight from memory as a decode step
 does (a step reads every layer's weights once; a loop over one weight would find it in cache). For each shape
@@ -9,7 +9,8 @@ of the default model's projections and row count M it prints GFLOP/s and GB/s of
 `--rounds` passes over all the weights), and one line of memory bandwidth (`torch.sum` over 400 MB) to read them
 against. Runs on a background thread as the engine's step does.
 
-    PYTHONPATH=. .venv/bin/python ops/bench/few_rows.py [--rows 1,4,16,32,64,128] [--rounds 3] [--dtype bfloat16]
+    PYTHONPATH=. .venv/bin/python ops/bench/few_rows.py [--rows 1,4,16,32,64,128] [--rounds 3]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     rows = [int(v) for v in args.rows.split(",")]
-    thread = threading.Thread(target=bench, args=(rows, args.rounds, getattr(torch, args.dtype)))  # as the engine's step runs
+    dtype = getattr(torch, args.dtype)
+    thread = threading.Thread(target=bench, args=(rows, args.rounds, dtype))  # as the engine's step runs
     thread.start()
     thread.join()
 

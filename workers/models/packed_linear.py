@@ -39,10 +39,11 @@ FEW_ROWS_MAX_ROWS = 64
 """fp32 batches up to this many rows run on `few_rows_linear`: measured faster than MKL's packed and plain
 sgemm from 1 to 64 rows on an AVX2 EPYC; from 128 rows MKL was level or ahead (ops/bench/RESULTS.md)."""
 BF16_FEW_ROWS = range(16, 49)
-"""bf16 batches of these many rows run on `few_rows_linear` (where `bf16_few_rows_available`): on a Zen 5 EPYC
-(`ops/bench/few_rows.py --dtype bfloat16`) it led oneDNN's packed GEMM from 16 to 48 rows on every projection
-(up to 1.8x at 48) and was level on the LM head at 16-17; oneDNN led below (its M = 1 reads the weight at twice
-the rate: this kernel computes 16 rows at least) and on the LM head and gate_up from 49 (4 vectors of rows)."""
+"""bf16 batches of these many rows run on `few_rows_linear` (where `bf16_few_rows_available`): on a Zen 5
+EPYC (`ops/bench/few_rows.py --dtype bfloat16`) it led oneDNN's packed GEMM from 16 to 48 rows on every
+projection (up to 1.8x at 48) and was level on the LM head at 16-17; oneDNN led below (its M = 1 reads the
+weight at twice the rate: this kernel computes 16 rows at least) and on the LM head and gate_up from 49 (4
+vectors of rows)."""
 
 
 def packing_kind(dtype: torch.dtype) -> str | None:
@@ -80,7 +81,8 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed", packed, persistent=False)
-        self.bf16_few_rows = kind == "mkldnn" and linear.in_features % 2 == 0 and bf16_few_rows_available()
+        self.bf16_few_rows = (kind == "mkldnn" and linear.in_features % 2 == 0
+                              and linear.weight.is_contiguous() and bf16_few_rows_available())
 
     def runs_few_rows(self, rows: int) -> bool:
         """Whether a batch of `rows` rows runs on `few_rows_linear` (fp32, or bf16 where `bf16_few_rows`)."""
