@@ -3,10 +3,11 @@
 batches of a few rows on the native library's `few_rows_linear`.
 
 - bf16: the packed LM head ran 4x faster than `F.linear` at M = 32 on an AVX512-BF16 host. For
-  `BF16_FEW_ROWS` rows on a CPU with AVX512-BF16 and no AMX, `few_rows_linear`'s bf16 kernel
-  (kernels/cpu/native/few_rows_bf16.cpp) runs instead: a decode step's projections and LM head at 32 rows
-  took 12.1 ms there against oneDNN's 15.6 on a Zen 5 EPYC (ops/bench/RESULTS.md). AMX CPUs keep oneDNN
-  (its AMX kernels; not measured here); so do other row counts and prefill.
+  `BF16_FEW_ROWS` rows (`BF16_FEW_ROWS_HEAD` in the LM head) on a CPU with AVX512-BF16 and no AMX,
+  `few_rows_linear`'s bf16 kernel (kernels/cpu/native/few_rows_bf16.cpp) runs instead: a decode step's
+  projections and LM head at 32 rows took 12.1 ms there against oneDNN's 15.6 on a Zen 5 EPYC
+  (ops/bench/RESULTS.md). AMX CPUs keep oneDNN (its AMX kernels; not measured here); so do other row counts
+  and prefill.
 - fp32: MKL's sgemm, packed (`_mkl_reorder_linear_weight`, which this module used before) or not, read a
   decode step's weights at 3-7 GB/s on a 2-core AVX2 EPYC that streams memory at ~30 GB/s; `few_rows_linear`
   (kernels/cpu/native/few_rows.cpp) reads each weight row once and multiplies it by every row of the batch
@@ -38,12 +39,15 @@ PACKED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 FEW_ROWS_MAX_ROWS = 64
 """fp32 batches up to this many rows run on `few_rows_linear`: measured faster than MKL's packed and plain
 sgemm from 1 to 64 rows on an AVX2 EPYC; from 128 rows MKL was level or ahead (ops/bench/RESULTS.md)."""
-BF16_FEW_ROWS = range(16, 49)
-"""bf16 batches of these many rows run on `few_rows_linear` (where `bf16_few_rows_available`): on a Zen 5
-EPYC (`ops/bench/few_rows.py --dtype bfloat16`) it led oneDNN's packed GEMM from 16 to 48 rows on every
-projection (up to 1.8x at 48) and was level on the LM head at 16-17; oneDNN led below (its M = 1 reads the
-weight at twice the rate: this kernel computes 16 rows at least) and on the LM head and gate_up from 49 (4
-vectors of rows)."""
+BF16_FEW_ROWS = frozenset([*range(1, 5), *range(16, 49)])
+"""bf16 batches of these many rows run on `few_rows_linear` in the projections (where
+`bf16_few_rows_available`); on a Zen 5 EPYC (`ops/bench/few_rows.py --dtype bfloat16`) against oneDNN's
+packed GEMM: from 16 to 48 rows (a 16-row tile of x) it led on every projection (up to 1.8x at 48) and was
+level on the LM head at 16-17; from 1 to 4 rows (dot products, no padded rows) it read the projections'
+weights 6-67% faster; from 8 to 15 rows oneDNN led or was level (compute-bound there: the dot products' 16
+accumulators), and from 49 on the LM head and gate_up."""
+BF16_FEW_ROWS_HEAD = frozenset(range(16, 49))
+"""The same for the LM head: from 1 to 2 rows oneDNN read its 57 MB faster (70 vs 52 GB/s at one row)."""
 
 
 def packing_kind(dtype: torch.dtype) -> str | None:
@@ -70,7 +74,8 @@ class PackedLinear(nn.Module):
 
     packed: torch.Tensor | None  # oneDNN's copy of the weight (a buffer, not saved with the model); None for few_rows
 
-    def __init__(self, linear: nn.Linear, kind: str, batch_hint: int = 32) -> None:
+    def __init__(self, linear: nn.Linear, kind: str, batch_hint: int = 32,
+                 bf16_rows: frozenset[int] = BF16_FEW_ROWS) -> None:
         super().__init__()
         if kind not in ("mkldnn", "few_rows"):
             raise ValueError(f"unknown packing kind {kind!r}")
@@ -81,6 +86,7 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed", packed, persistent=False)
+        self.bf16_rows = bf16_rows  # the batch sizes the bf16 kernel runs, where it runs here at all
         self.bf16_few_rows = (kind == "mkldnn" and linear.in_features % 2 == 0
                               and linear.weight.is_contiguous() and bf16_few_rows_available())
 
@@ -88,7 +94,7 @@ class PackedLinear(nn.Module):
         """Whether a batch of `rows` rows runs on `few_rows_linear` (fp32, or bf16 where `bf16_few_rows`)."""
         if self.kind == "few_rows":
             return rows <= FEW_ROWS_MAX_ROWS
-        return self.bf16_few_rows and rows in BF16_FEW_ROWS
+        return self.bf16_few_rows and rows in self.bf16_rows
 
     def row_kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`few_rows_linear` bound to this layer's weights where a batch of `rows` rows runs on it (for the
@@ -143,5 +149,6 @@ def pack_linears(model: LlamaForCausalLM, batch_hint: int = 32) -> bool:
     for owner, name in [*owners, head_owner]:
         linear = getattr(owner, name, None)  # MoE layers have no dense gate_up/down projections
         if isinstance(linear, nn.Linear):
-            setattr(owner, name, PackedLinear(linear, kind, batch_hint))
+            rows = BF16_FEW_ROWS_HEAD if (owner, name) == head_owner else BF16_FEW_ROWS
+            setattr(owner, name, PackedLinear(linear, kind, batch_hint, rows))
     return True

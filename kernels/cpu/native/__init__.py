@@ -20,8 +20,8 @@ falls back to the torch CPU path (`kernels.cpu`). The ops, as `torch.ops.tollway
   (`head_ops.cpp`; used through workers/models/logits_refine.py);
 - `few_rows_linear(x [M, K] fp32, weight [N, K] fp32, bias [N]?) -> [M, N]`: `F.linear` for a decode step's
   few rows, each weight row read once for all of them (`few_rows.cpp`; workers/models/packed_linear.py); bf16 x
-  and weight (M <= 64, K even) on AVX512-BF16, the plain weight streamed in tiles against every row of x
-  (`few_rows_bf16.cpp`);
+  and weight (M <= 64, K even) on AVX512-BF16, the plain weight streamed in tiles against every row of x (16
+  rows a vector, or dot products below 16 rows; `few_rows_bf16.cpp`);
 - `row_argmax(logits [N, V] fp32) -> [N] int64`: each row's first index of its maximum, as `max(dim=-1)`
   (`head_ops.cpp`; the sampler's greedy choice, workers/engine/sampler.py);
 - `int4_matmul(x [M, K], qweight uint8 [N, K / 2], scales [N, G], mins [N, G], group) -> [M, N]` and

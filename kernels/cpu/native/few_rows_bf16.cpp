@@ -5,17 +5,20 @@
 // 2-core Zen 5 EPYC (AVX512-BF16, no AMX), reading the step's 269 MB of weights at ~17 GB/s; this kernel took
 // 12.1 ms on the same weights (ops/bench/RESULTS.md). At 32 rows each weight value is used 32 times: the
 // weight's stream from memory is what the GEMM waits on. Without the software prefetch of the weight below it
-// took 15.5 ms; below 16 rows (it computes 16 at least) oneDNN stays ahead (workers/models/packed_linear.py).
+// took 15.5 ms. Which row counts run here (the rest on oneDNN): workers/models/packed_linear.py, as measured.
 //
-// Layout of the work: x is rewritten once per call as pairs [K / 2][Mpad] of 32 bits (x[m][2p], x[m][2p + 1]),
-// Mpad = M rounded up to 16 with zero rows; a tile is NW adjacent weight rows (contiguous in the plain layout:
-// one sequential stream a tile, prefetched two tiles ahead) against every row of x. Per pair p of K, each of the
-// tile's NW weight rows gives one broadcast 32-bit pair and vdpbf16ps multiplies it by 16 rows' pairs of x: MV
-// vectors of 16 rows x NW columns = 24 (or 16) fp32 accumulators, no horizontal sums. The accumulators are
-// transposed 16 x 16 (columns to rows) and stored as bf16, as oneDNN's bf16 output rounds.
+// Layout of the work, 16 rows and more: x is rewritten once per call as pairs [K / 2][Mpad] of 32 bits
+// (x[m][2p], x[m][2p + 1]), Mpad = M rounded up to 16 with zero rows; a tile is NW adjacent weight rows
+// (contiguous in the plain layout: one sequential stream a tile, prefetched two tiles ahead) against every row
+// of x. Per pair p of K, each of the tile's NW weight rows gives one broadcast 32-bit pair and vdpbf16ps
+// multiplies it by 16 rows' pairs of x: MV vectors of 16 rows x NW columns = 24 (or 16) fp32 accumulators, no
+// horizontal sums. The accumulators are transposed 16 x 16 (columns to rows) and stored as bf16, as oneDNN's
+// bf16 output rounds. Below 16 rows, where that would compute padded rows: dot products of a weight row and a
+// row of x (row_tiles below), summed across lanes at the end; the projections' weights read 6-67% faster than
+// oneDNN's at 1-4 rows.
 //
-// Rounding: the products are exact, summed in fp32 in K order (two products a step): results differ from
-// oneDNN's bf16 GEMM by fp32 summation order before the bf16 rounding of the output.
+// Rounding: the products are exact, summed in fp32 (in K order, or per lane then across lanes below 16 rows):
+// results differ from oneDNN's bf16 GEMM by fp32 summation order before the bf16 rounding of the output.
 #include "few_rows.h"
 
 #include <ATen/Parallel.h>
@@ -85,6 +88,63 @@ TOLLWAY_BF16_DOT void all_tiles(const uint32_t* xpairs, int64_t M, const BFloat1
   });
 }
 
+// Below 16 rows (row_tiles): a tile is NR adjacent weight rows against MR rows of x at a time, each output a dot
+// product along K (32 values a vdpbf16ps, into 16 fp32 lanes summed at the end), so no padded rows are computed.
+// The weight tile is read from memory by the first group of rows (prefetched kTilesAhead tiles on), from L1 after.
+template <int64_t MR, int64_t NR>
+TOLLWAY_BF16_DOT void row_tile(const BFloat16* x, int64_t K, const BFloat16* w, BFloat16* y, int64_t N,
+                               bool fetch_ahead) {
+  __m512 acc[MR][NR];
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  auto multiply = [&](int64_t k, __mmask32 keep) TOLLWAY_BF16_DOT {  // values [k, k + 32) of every row, `keep` of them
+    __m512bh wv[NR];
+    for (int64_t c = 0; c < NR; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + c * K + k);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < MR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + r * K + k);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < NR; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  };
+  const char* ahead = reinterpret_cast<const char*>(w + kTilesAhead * NR * K);
+  const int64_t steps = K / 32, lines = NR * K * 2 / 64;
+  int64_t fetched = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    if (fetch_ahead) {
+      while (fetched * steps < lines * (s + 1)) _mm_prefetch(ahead + 64 * fetched++, _MM_HINT_T0);
+    }
+    multiply(32 * s, ~__mmask32{0});
+  }
+  if (K % 32 != 0) multiply(32 * steps, static_cast<__mmask32>((1ull << (K % 32)) - 1));
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t c = 0; c < NR; ++c) y[r * N + c] = BFloat16(_mm512_reduce_add_ps(acc[r][c]));
+  }
+}
+
+// M < 16 rows of x against the weight: NR weight rows a tile (the last tile's rows one at a time), MR rows of x
+// a pass over it.
+template <int64_t MR, int64_t NR>
+TOLLWAY_BF16_DOT void row_tiles(const BFloat16* x, int64_t M, const BFloat16* w, int64_t K, int64_t N,
+                                BFloat16* y) {
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NR;
+      if (n0 + NR <= N) {
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) row_tile<MR, NR>(x + m * K, K, w + n0 * K, y + m * N + n0, N, m == 0);
+        for (; m < M; ++m) row_tile<1, NR>(x + m * K, K, w + n0 * K, y + m * N + n0, N, m == 0);
+      } else {
+        for (int64_t n = n0; n < N; ++n) {
+          for (int64_t m = 0; m < M; ++m) row_tile<1, 1>(x + m * K, K, w + n * K, y + m * N + n, N, false);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& weight) {
@@ -94,14 +154,22 @@ TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor&
   TORCH_CHECK(K % 2 == 0, "few_rows_linear: bf16 needs an even K (pairs of K), got ", K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  BFloat16* yp = y.data_ptr<BFloat16>();
+  if (M < 16) {  // 8 weight rows a tile for 1-3 rows of x (2 a pass), 4 with 4 rows a pass for more
+    if (M <= 3) {
+      row_tiles<2, 8>(x.data_ptr<BFloat16>(), M, w, K, N, yp);
+    } else {
+      row_tiles<4, 4>(x.data_ptr<BFloat16>(), M, w, K, N, yp);
+    }
+    return y;
+  }
   const int64_t MV = (M + 15) / 16, Mpad = 16 * MV, K2 = K / 2;
   std::vector<uint32_t> xpairs(K2 * Mpad, 0);
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(x.data_ptr<BFloat16>());  // [M][K2], x contiguous
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t p = 0; p < K2; ++p) xpairs[p * Mpad + m] = rows[m * K2 + p];
   }
-  const BFloat16* w = weight.data_ptr<BFloat16>();
-  BFloat16* yp = y.data_ptr<BFloat16>();
   switch (MV) {
     case 1: all_tiles<1>(xpairs.data(), M, w, K, N, yp); break;
     case 2: all_tiles<2>(xpairs.data(), M, w, K, N, yp); break;

@@ -94,8 +94,9 @@ def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantiz
                                      window: int | None, pack: bool | str, monkeypatch: pytest.MonkeyPatch) -> None:
     if pack == "many":  # the step's 5 rows are past the limit
         monkeypatch.setattr(packed_linear, "FEW_ROWS_MAX_ROWS", 4)
-    if pack == "bf16-few":  # the step's 5 rows on the bf16 kernel (from 16 rows in use)
-        monkeypatch.setattr(packed_linear, "BF16_FEW_ROWS", range(1, 49))
+    if pack == "bf16-few":  # the step's 5 rows on the bf16 kernel (1-4 and 16-48 in use)
+        monkeypatch.setattr(packed_linear, "BF16_FEW_ROWS", frozenset(range(1, 49)))
+        monkeypatch.setattr(packed_linear, "BF16_FEW_ROWS_HEAD", frozenset(range(1, 49)))
     model = model_for(tmp_path, dtype, quantization, activations, window)
     if pack:  # bf16 packing needs AVX512-BF16 or AMX: elsewhere the layers stay nn.Linear, still compared
         assert pack_linears(model) == (packing_kind(dtype) is not None)
