@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.required import require_native
-from workers.models import packed_linear
 from workers.models.packed_linear import FEW_ROWS_MAX_ROWS, PackedLinear, packing_kind
 
 
@@ -55,7 +54,7 @@ def test_a_strided_x_zero_rows_and_bad_arguments() -> None:
         torch.ops.tollway_cpu.few_rows_linear(strided, torch.randn(40, 12).t(), None)
 
 
-def test_packed_linear_runs_few_rows_up_to_its_limit_and_f_linear_past_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_linear_runs_few_rows_up_to_its_limit_and_f_linear_past_it(few_rows_calls: list[int]) -> None:
     assert packing_kind(torch.float32) == "few_rows"  # the library is loaded (the fixture)
     generator = torch.Generator().manual_seed(3)
     linear = nn.Linear(96, 200)
@@ -63,17 +62,9 @@ def test_packed_linear_runs_few_rows_up_to_its_limit_and_f_linear_past_it(monkey
         linear.weight.copy_(torch.randn(200, 96, generator=generator))
     packed = PackedLinear(linear, "few_rows")
     assert packed.packed is None  # no copy of the weight
-    calls: list[int] = []
-    real = torch.ops.tollway_cpu.few_rows_linear
-
-    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(packed_linear, "_few_rows_linear", counted)
     with torch.no_grad():
         for rows in (1, 32, FEW_ROWS_MAX_ROWS, FEW_ROWS_MAX_ROWS + 1, 300):
             x = torch.randn(rows, 96, generator=generator)
             close(packed(x), linear(x))
-    assert calls == [1, 32, FEW_ROWS_MAX_ROWS]
+    assert few_rows_calls == [1, 32, FEW_ROWS_MAX_ROWS]
     assert packed.row_kernel_for(FEW_ROWS_MAX_ROWS) is not None and packed.row_kernel_for(FEW_ROWS_MAX_ROWS + 1) is None

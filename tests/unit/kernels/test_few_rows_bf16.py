@@ -17,7 +17,6 @@ from torch import nn
 
 from kernels.cpu import native
 from tests.required import require_native
-from workers.models import packed_linear
 from workers.models.packed_linear import BF16_FEW_ROWS, BF16_FEW_ROWS_HEAD, PackedLinear, pack_linears
 from workers.precision import cpu_flags, cpu_has_amx_bf16
 
@@ -76,7 +75,7 @@ def test_a_strided_x_zero_rows_and_bad_arguments() -> None:
         torch.ops.tollway_cpu.few_rows_linear(torch.randn(3, 40), weight, None)
 
 
-def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(few_rows_calls: list[int]) -> None:
     bf16_kernel_or_skip()
     if cpu_has_amx_bf16():
         pytest.skip("AMX CPUs keep oneDNN's kernels")
@@ -86,19 +85,11 @@ def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(monkeypatch: py
         linear.weight.copy_(torch.randn(200, 96, generator=generator))
     packed = PackedLinear(linear, "mkldnn")
     assert packed.bf16_few_rows and packed.packed is not None  # oneDNN's copy stays for the other row counts
-    calls: list[int] = []
-    real = torch.ops.tollway_cpu.few_rows_linear
-
-    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, weight, bias)
-
-    monkeypatch.setattr(packed_linear, "_few_rows_linear", counted)
     with torch.no_grad():
         for rows in (1, 4, 5, 15, 16, 32, 48, 49, 300):
             x = torch.randn(rows, 96, generator=generator).bfloat16()
             close_to_rounded(packed(x), x, linear.weight)
-    assert calls == [1, 4, 16, 32, 48]  # BF16_FEW_ROWS
+    assert few_rows_calls == [1, 4, 16, 32, 48]  # BF16_FEW_ROWS
     assert packed.row_kernel_for(32) is not None and packed.row_kernel_for(8) is None
     assert packed.row_kernel_for(49) is None
     head = PackedLinear(linear, "mkldnn", bf16_rows=BF16_FEW_ROWS_HEAD)  # one row: oneDNN in the LM head
