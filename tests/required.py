@@ -40,6 +40,29 @@ def require_native() -> None:
         unavailable(str(native.unavailable_reason()))
 
 
+def bf16_kernels_expected() -> bool:
+    """Whether this machine must run the native library's AVX512-BF16 kernels (the quantized tiles, bf16
+    few_rows_linear): the library built for AVX512 (torch's CPU capability) on a CPU whose flags list
+    AVX512-BF16. Where it must, their being unavailable is a failure, not a skip."""
+    import torch
+
+    from workers.precision import cpu_flags
+
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and "avx512_bf16" in cpu_flags()
+
+
+def require_bf16_kernels() -> None:
+    """`require_native`, then skip (a CPU without AVX512-BF16; tests marked `cpu_isa`) unless the library's
+    AVX512-BF16 kernels run here; fails where `bf16_kernels_expected` says they must."""
+    from kernels.cpu import native
+
+    require_native()
+    if not native.tile_matmul_available():
+        expected = bf16_kernels_expected()
+        assert not expected, "this CPU has AVX512-BF16, yet the native bf16 kernels are unavailable"
+        pytest.skip("the library's bf16 kernels need AVX512-BF16")
+
+
 def require_executable(path: Path, what: str) -> None:
     """`unavailable` unless `path` is an executable; `what` says what it is and who installs it."""
     if not os.access(path, os.X_OK):

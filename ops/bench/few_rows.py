@@ -48,15 +48,26 @@ def memory_line(rounds: int) -> str:
     return f"memory: torch.sum over 400 MB at {4e8 / seconds / 1e9:.1f} GB/s"
 
 
-def systems_for(x: torch.Tensor, weights: list[torch.Tensor]) -> dict[str, Callable[[int], object]]:
-    """Each system's matmul of `x` by weight i (the packed copies made here, for 32 rows)."""
+def packed_copies(weights: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """The weights packed for 32 rows, once per shape: MKL's (fp32 only) and oneDNN's where torch has them."""
+    packed: dict[str, list[torch.Tensor]] = {}
+    if weights[0].dtype == torch.float32:
+        packed["mkl"] = [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in weights]
+    if torch.backends.mkldnn.is_available():
+        packed["dnn"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    return packed
+
+
+def systems_for(x: torch.Tensor, weights: list[torch.Tensor],
+                packed: dict[str, list[torch.Tensor]]) -> dict[str, Callable[[int], object]]:
+    """Each system's matmul of `x` by weight i."""
     systems: dict[str, Callable[[int], object]] = {"F.linear": lambda i: F.linear(x, weights[i])}
-    if x.dtype == torch.float32:
-        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in weights]
+    if "mkl" in packed:
+        mkl = packed["mkl"]
         systems["MKL packed(32)"] = lambda i: torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, 32)
     systems["few_rows_linear"] = lambda i: torch.ops.tollway_cpu.few_rows_linear(x, weights[i], None)
-    if torch.backends.mkldnn.is_available():
-        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    if "dnn" in packed:
+        dnn = packed["dnn"]
         systems["oneDNN packed"] = lambda i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")
     return systems
 
@@ -66,13 +77,14 @@ def bench(rows: list[int], rounds: int, dtype: torch.dtype) -> None:
     size = torch.finfo(dtype).bits // 8
     for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k).to(dtype) for _ in range(max(2, WEIGHT_BYTES // (n * k * size)))]
+        packed = packed_copies(weights)
         for m in rows:
             x = torch.randn(m, k).to(dtype)
             reference = F.linear(x.float(), weights[0].float())
             got = torch.ops.tollway_cpu.few_rows_linear(x, weights[0], None).float()
             error = ((got - reference).abs().max() / reference.abs().max()).item()
             cells = []
-            for label, run in systems_for(x, weights).items():
+            for label, run in systems_for(x, weights, packed).items():
                 s = best_seconds(run, len(weights), rounds) / len(weights)
                 cells.append(f"{label} {2 * m * n * k / s / 1e9:6.1f} GFLOP/s {n * k * size / s / 1e9:5.1f} GB/s")
             print(f"{name:8} M={m:4d}  " + " | ".join(cells) + f"  (max rel. diff {error:.1e})", flush=True)

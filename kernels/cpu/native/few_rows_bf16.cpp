@@ -98,7 +98,8 @@ TOLLWAY_BF16_DOT void row_tile(const BFloat16* x, int64_t K, const BFloat16* w, 
   for (int64_t r = 0; r < MR; ++r) {
     for (int64_t c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  auto multiply = [&](int64_t k, __mmask32 keep) TOLLWAY_BF16_DOT {  // values [k, k + 32) of every row, `keep` of them
+  // Values [k, k + 32) of every row (those `keep` names: a last partial vector of K is masked).
+  auto multiply = [&](int64_t k, __mmask32 keep) TOLLWAY_BF16_DOT {
     __m512bh wv[NR];
     for (int64_t c = 0; c < NR; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + c * K + k);
 #pragma GCC unroll 4
@@ -154,19 +155,20 @@ TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor&
   TORCH_CHECK(K % 2 == 0, "few_rows_linear: bf16 needs an even K (pairs of K), got ", K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  const BFloat16* xp = x.data_ptr<BFloat16>();  // [M][K], contiguous
   const BFloat16* w = weight.data_ptr<BFloat16>();
   BFloat16* yp = y.data_ptr<BFloat16>();
   if (M < 16) {  // 8 weight rows a tile for 1-3 rows of x (2 a pass), 4 with 4 rows a pass for more
     if (M <= 3) {
-      row_tiles<2, 8>(x.data_ptr<BFloat16>(), M, w, K, N, yp);
+      row_tiles<2, 8>(xp, M, w, K, N, yp);
     } else {
-      row_tiles<4, 4>(x.data_ptr<BFloat16>(), M, w, K, N, yp);
+      row_tiles<4, 4>(xp, M, w, K, N, yp);
     }
     return y;
   }
   const int64_t MV = (M + 15) / 16, Mpad = 16 * MV, K2 = K / 2;
   std::vector<uint32_t> xpairs(K2 * Mpad, 0);
-  const uint32_t* rows = reinterpret_cast<const uint32_t*>(x.data_ptr<BFloat16>());  // [M][K2], x contiguous
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(xp);  // [M][K2]
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t p = 0; p < K2; ++p) xpairs[p * Mpad + m] = rows[m * K2 + p];
   }

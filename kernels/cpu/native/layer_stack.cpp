@@ -37,7 +37,7 @@ constexpr int64_t kFloatsPerLayer = 3;
 enum ProjectionKind : int64_t {
   kLinear = 0,   // aten::linear(x, weight T0, bias T1?)
   kMkldnn = 1,   // mkldnn::_linear_pointwise(x, packed T0, bias T1?, "none", [], ""): oneDNN's prepacked bf16
-  kFewRows = 2,  // tollway_cpu::few_rows_linear(x, weight T0, bias T1?): fp32 or bf16 batches of a few rows (few_rows*.cpp)
+  kFewRows = 2,  // tollway_cpu::few_rows_linear(x, weight T0, bias T1?): fp32 or bf16 rows (few_rows*.cpp)
   kInt4 = 3,     // tollway_cpu::int4_matmul(x, qweight T0, scales T1, mins T2, n I0, group I1)
   kInt4Q8 = 4,   // tollway_cpu::int4_matmul_q8(the same, "auto")
   kInt8 = 5,     // tollway_cpu::int8_matmul(x, qweight T0, scales T1, n I0)

@@ -16,23 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import native
-from tests.required import require_native
+from tests.required import require_bf16_kernels, require_native
 from workers.models.packed_linear import BF16_FEW_ROWS, BF16_FEW_ROWS_HEAD, PackedLinear, pack_linears
-from workers.precision import cpu_flags, cpu_has_amx_bf16
+from workers.precision import cpu_has_amx_bf16
 
 pytestmark = pytest.mark.cpu_isa  # each test needs the CPU to have AVX512-BF16, or to lack it
 
 @pytest.fixture(scope="module", autouse=True)
 def native_ops() -> None:
     require_native()
-
-
-def bf16_kernel_or_skip() -> None:
-    if not native.tile_matmul_available():
-        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        expected = avx512 and "avx512_bf16" in cpu_flags()
-        assert not expected, "this CPU has AVX512-BF16, yet the library's bf16 kernels are unavailable"
-        pytest.skip("the bf16 kernel needs AVX512-BF16")
 
 
 def close_to_rounded(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -49,7 +41,7 @@ def close_to_rounded(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 48, 49, 64])
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (13, 6), (25, 64), (37, 576), (960, 576), (576, 1536)])
 def test_equals_the_fp32_product_rounded(rows: int, n: int, k: int) -> None:
-    bf16_kernel_or_skip()
+    require_bf16_kernels()
     generator = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     weight = torch.randn(n, k, generator=generator).bfloat16()
@@ -60,7 +52,7 @@ def test_equals_the_fp32_product_rounded(rows: int, n: int, k: int) -> None:
 
 
 def test_a_strided_x_zero_rows_and_bad_arguments() -> None:
-    bf16_kernel_or_skip()
+    require_bf16_kernels()
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(20, 40, generator=generator).bfloat16()
     strided = torch.randn(7, 80, generator=generator).bfloat16()[:, ::2]
@@ -76,7 +68,7 @@ def test_a_strided_x_zero_rows_and_bad_arguments() -> None:
 
 
 def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(few_rows_calls: list[int]) -> None:
-    bf16_kernel_or_skip()
+    require_bf16_kernels()
     if cpu_has_amx_bf16():
         pytest.skip("AMX CPUs keep oneDNN's kernels")
     generator = torch.Generator().manual_seed(9)
@@ -107,7 +99,7 @@ def test_without_avx512_bf16_the_op_refuses_bf16() -> None:
 
 
 def test_pack_linears_gives_the_lm_head_its_own_rows(tmp_path: Path) -> None:
-    bf16_kernel_or_skip()
+    require_bf16_kernels()
     from workers.models.loader import load_model
     from workers.models.tiny import write_tiny_model_folder
 

@@ -19,8 +19,7 @@ from kernels.quantized.cpu import (
     rounds_activations,
 )
 from kernels.quantized.layout import QuantizedWeight, dequantize, quantize_int4, quantize_int8
-from tests.required import unavailable
-from workers.precision import cpu_flags
+from tests.required import bf16_kernels_expected, require_bf16_kernels, unavailable
 
 # Relative to sum_k |x_k w_nk|, a bound on any summation order's rounding: fp32 accumulation, plus
 # in bf16 the output's rounding (2^-9) and, for torch's kernel, the scales' (and zeros') rounding to bf16.
@@ -202,20 +201,6 @@ def test_native_dequantize_is_the_layout_s_dequantize(dtype: torch.dtype, bits: 
     assert got.dtype == dtype and torch.equal(got, dequantize(weight, dtype))
 
 
-def _tiles_expected() -> bool:
-    """Whether this machine must run the tile kernels: the library built for AVX512 (torch's CPU capability)
-    on a CPU whose flags list AVX512-BF16. Where it must, their being unavailable is a failure, not a skip."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and "avx512_bf16" in cpu_flags()
-
-
-def _tiles_or_skip() -> None:
-    if not native.load():
-        unavailable(str(native.unavailable_reason()))
-    if not native.tile_matmul_available():
-        assert not _tiles_expected(), "this CPU has AVX512-BF16, yet the tile kernels are unavailable"
-        pytest.skip("the tile kernels need AVX512-BF16 (this CPU: the test below)")
-
-
 @pytest.mark.cpu_isa
 def test_without_avx512_bf16_the_tile_ops_refuse_and_bf16_matmuls_keep_the_row_kernels(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,7 +210,7 @@ def test_without_avx512_bf16_the_tile_ops_refuse_and_bf16_matmuls_keep_the_row_k
         unavailable(str(native.unavailable_reason()))
     if native.tile_matmul_available():
         pytest.skip("this CPU runs the tile kernels (the tests below)")
-    assert not _tiles_expected(), "this CPU has AVX512-BF16, yet the tile kernels are unavailable"
+    assert not bf16_kernels_expected(), "this CPU has AVX512-BF16, yet the tile kernels are unavailable"
     from kernels.quantized import cpu as qcpu
 
     packed8 = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")
@@ -248,7 +233,7 @@ def test_without_avx512_bf16_the_tile_ops_refuse_and_bf16_matmuls_keep_the_row_k
 @pytest.mark.parametrize(("n", "k"), [(13, 64), (99, 1536)])  # groups of 32 columns cut short; a long K
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 13, 40])  # passes of 6 rows of x and the rest
 def test_tile_matmul_is_the_dequantized_weights_product(bits: int, n: int, k: int, m: int) -> None:
-    _tiles_or_skip()
+    require_bf16_kernels()
     weight = _weight(bits, n, k, 32 if bits == 4 else k, seed=n + m)
     packed = pack_for_cpu(weight, torch.bfloat16, "native")
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
@@ -267,7 +252,7 @@ def test_tile_matmul_is_the_dequantized_weights_product(bits: int, n: int, k: in
 def test_cpu_matmul_takes_the_tile_kernel_between_the_crossover_and_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.quantized import cpu as qcpu
 
-    _tiles_or_skip()
+    require_bf16_kernels()
     packed = pack_for_cpu(_weight(4, 64, 128, 32, seed=1), torch.bfloat16, "native")
     calls: list[int] = []
     tile = torch.ops.tollway_cpu.int4_tile_matmul
@@ -282,7 +267,7 @@ def test_cpu_matmul_takes_the_tile_kernel_between_the_crossover_and_its_limit(mo
 
 @pytest.mark.cpu_isa
 def test_tile_matmul_refuses_fp32_x() -> None:
-    _tiles_or_skip()
+    require_bf16_kernels()
     packed = pack_for_cpu(_weight(8, 16, 64, 64, seed=2), torch.bfloat16, "native")
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.tollway_cpu.int8_tile_matmul(torch.randn(2, 64), packed.weight, packed.scales, 16)
