@@ -28,7 +28,9 @@
 // Under an fp32 q, rows that are one sequence's consecutive new tokens (a prefill chunk sent as decode rows,
 // workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head, the scores and the V sum of up
 // to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One 380-token prompt's attention
-// per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's prefill line).
+// per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's prefill line). A bf16 q
+// over a bf16 cache does the same on vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h); the rows
+// outside runs then go by sequence or by (row, KV head) as before.
 //
 // A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
@@ -41,6 +43,7 @@
 // prefetch for those rows (already fetched) made scattered caches slower (13.6-15.0 -> 20.7-21.4 ms): kept.
 #include "paged_decode_bf16.h"
 #include "paged_prefill.h"
+#include "paged_prefill_bf16.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -184,20 +187,31 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-    if (decode_by_sequence<D>(geo, qp, kp, vp, op, fscale, window)) return;
-  }
-#endif
-  // Rows the per-(row, KV head) tasks below take: all of them, or those left outside fp32 prefill runs.
+  // Rows the per-sequence or per-(row, KV head) tasks below take: all of them, or those left outside prefill
+  // runs (as tiles: fp32, or bf16 over a bf16 cache on AVX512-BF16).
+  constexpr bool bf16_dots = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0;
   std::vector<int64_t> singles;
-  if constexpr (std::is_same_v<T, float> && D % (2 * W) == 0) {
+  bool tiles = std::is_same_v<T, float> && D % (2 * W) == 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (bf16_dots) tiles = bf16_dot_available();
+#endif
+  if (tiles) {
     const std::vector<PrefillRun> runs = find_prefill_runs(geo, window, singles);
-    if (!runs.empty()) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
+    if (!runs.empty()) {
+      if constexpr (std::is_same_v<T, float> && D % (2 * W) == 0) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (bf16_dots) prefill_runs_bf16<D>(geo, runs, qp, kp, vp, op, fscale);
+#endif
+    }
   } else {
     for (int64_t b = 0; b < geo.B; ++b) singles.push_back(b);
   }
   if (singles.empty()) return;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (bf16_dots) {
+    if (decode_by_sequence<D>(geo, singles, qp, kp, vp, op, fscale, window)) return;
+  }
+#endif
   at::parallel_for(0, int64_t(singles.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head

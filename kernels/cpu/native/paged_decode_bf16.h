@@ -187,14 +187,15 @@ TOLLWAY_BF16_DOT void sequence_task(const DecodeGeometry& geo, const BFloat16* q
 
 // The op by sequence_task where it applies (else false): a task per sequence where there are enough of them
 // to share out over the threads; fewer (one stream, a few) keep a task per KV head (paged_decode.cpp).
+// `batch_rows`: the rows to attend (those outside prefill runs).
 template <int64_t D>
-bool decode_by_sequence(const DecodeGeometry& geo, const BFloat16* qp, const BFloat16* kp, const BFloat16* vp,
-                        BFloat16* op, float fscale, int64_t window) {
-  const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L;
-  if (!(bf16_dot_available() && G <= kHeadsPerPass && geo.cs2 == D && geo.B >= 2 * at::get_num_threads())) {
+bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& batch_rows, const BFloat16* qp,
+                        const BFloat16* kp, const BFloat16* vp, BFloat16* op, float fscale, int64_t window) {
+  const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L, count = static_cast<int64_t>(batch_rows.size());
+  if (!(bf16_dot_available() && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
     return false;
   }
-  at::parallel_for(0, geo.B, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(Hkv * G * L);
     std::vector<int64_t> rows(L), next_rows(L);  // head 0's rows of this sequence and of the thread's next
     std::vector<BFloat16> probs16(G * L);
@@ -203,11 +204,11 @@ bool decode_by_sequence(const DecodeGeometry& geo, const BFloat16* qp, const BFl
       geo.fill_rows(b, 0, start, n, into);
       return n;
     };
-    int64_t next_n = sequence_rows(begin, next_rows.data());
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = next_n;
+    int64_t next_n = sequence_rows(batch_rows[begin], next_rows.data());
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = batch_rows[i], n = next_n;
       rows.swap(next_rows);
-      next_n = b + 1 < end ? sequence_rows(b + 1, next_rows.data()) : 0;
+      next_n = i + 1 < end ? sequence_rows(batch_rows[i + 1], next_rows.data()) : 0;
       const TaskRows<BFloat16> t{kp, vp, rows.data(), n, scores.data(), L, true, next_rows.data(), next_n,
                                  probs16.data()};
       switch (G) {

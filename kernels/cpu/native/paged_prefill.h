@@ -166,10 +166,9 @@ void prefill_tile(const DecodeGeometry& geo, const T* qp, const C* kp, const C* 
 }
 
 // Every run's tiles x KV heads, the costliest first (a tile's cost grows with its context), taken by the
-// threads from a shared counter.
-template <typename T, typename C, int64_t D>
-void prefill_runs(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs, const T* qp, const C* kp,
-                  const C* vp, T* op, float fscale) {
+// threads from a shared counter: tile(first, count, h, scratch) for each, with a Scratch(max_len, G, D) a thread.
+template <typename Scratch, typename Tile>
+void run_prefill_tiles(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs, int64_t D, const Tile& tile) {
   struct Task {
     int64_t first, count, h, cost;
   };
@@ -185,11 +184,19 @@ void prefill_runs(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs
   std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    TileScratch scratch(max_len, geo.G, D);
+    Scratch scratch(max_len, geo.G, D);
     for (int64_t i = next++; i < int64_t(tasks.size()); i = next++) {
       const Task& task = tasks[i];
-      prefill_tile<T, C, D>(geo, qp, kp, vp, op, task.first, task.count, task.h, fscale, scratch);
+      tile(task.first, task.count, task.h, scratch);
     }
+  });
+}
+
+template <typename T, typename C, int64_t D>
+void prefill_runs(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs, const T* qp, const C* kp,
+                  const C* vp, T* op, float fscale) {
+  run_prefill_tiles<TileScratch>(geo, runs, D, [&](int64_t first, int64_t count, int64_t h, TileScratch& scratch) {
+    prefill_tile<T, C, D>(geo, qp, kp, vp, op, first, count, h, fscale, scratch);
   });
 }
 

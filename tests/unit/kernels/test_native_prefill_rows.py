@@ -1,7 +1,8 @@
-"""`paged_decode`'s prefill runs (kernels/cpu/native/paged_prefill.h) against the torch reference.
+"""`paged_decode`'s prefill runs (kernels/cpu/native/paged_prefill.h, paged_prefill_bf16.h) against the torch
+reference.
 
-Under an fp32 q, consecutive rows that are one sequence's consecutive tokens (each row one longer, reading the same
-blocks) attend as tiles; every other row as before. Each row's result must be the reference's attention over its
+Under an fp32 q (or a bf16 q over a bf16 cache on AVX512-BF16), consecutive rows that are one sequence's consecutive
+tokens (each row one longer, reading the same blocks) attend as tiles; every other row as before. Each row's result must be the reference's attention over its
 own table and length, whatever the batch around it holds: a run beside decode rows, runs shorter than the tile
 threshold, a neighbour that shares a prefix's blocks but not the next block, a sliding window.
 """
@@ -15,9 +16,10 @@ import torch
 
 from kernels import reference
 from kernels.kv_int8 import dequantize, quantize
-from tests.required import require_native
+from tests.required import require_bf16_kernels, require_native
 
 EXACT = {"atol": 1e-5, "rtol": 1e-5}
+BF16 = {"atol": 2e-2, "rtol": 2e-2}  # a bf16 output's rounding (2^-9 relative) and the probabilities' (the same)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,7 +56,7 @@ class Batch:
 
 
 def attend(batch: Batch, group: int, head_dim: int, cache_dtype: torch.dtype, window: int = 0,
-           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           seed: int = 0, q_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged_decode's output, the reference's) for the batch's rows with 2 KV heads."""
     torch.manual_seed(seed)
     shape = (batch.num_blocks, batch.block_size, 2, head_dim)
@@ -66,25 +68,40 @@ def attend(batch: Batch, group: int, head_dim: int, cache_dtype: torch.dtype, wi
         k_cache, v_cache = keys.to(cache_dtype), values.to(cache_dtype)
         k_wide, v_wide = k_cache.float(), v_cache.float()
     tables, lens = batch.metadata()
-    q = torch.randn(len(batch.rows), 2 * group, head_dim)
+    q = torch.randn(len(batch.rows), 2 * group, head_dim).to(q_dtype)
     scale = head_dim**-0.5
     got = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, tables, lens, scale, window)
-    expected = reference.decode_attention(q, k_wide, v_wide, tables, lens, scale, window or None)
-    return got, expected
+    expected = reference.decode_attention(q.float(), k_wide, v_wide, tables, lens, scale, window or None)
+    return got.float(), expected
+
+
+def mixed_batch(block_size: int, seed: int) -> Batch:
+    blocks = -(-300 // block_size)
+    return (Batch({"a": blocks, "b": blocks, "c": blocks}, block_size, seed=seed)
+            .decode("c", 140)
+            .prefill("a", 37, 97)   # a chunk mid-prompt: 60 rows, tiles of 16 and a ragged last one
+            .prefill("b", 0, 21)    # a prompt's first chunk, starting at position 0
+            .decode("a", 12)        # the run's sequence again, as a decode row: its own row
+            .prefill("c", 200, 205))  # 5 rows: under the tile threshold, rows as before
 
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 16, 16), (4, 128, 4), (8, 32, 1),
                                                                (2, 256, 8)])
 def test_prefill_runs_match_the_reference(group: int, head_dim: int, block_size: int) -> None:
-    blocks = -(-300 // block_size)
-    batch = (Batch({"a": blocks, "b": blocks, "c": blocks}, block_size, seed=group)
-             .decode("c", 140)
-             .prefill("a", 37, 97)   # a chunk mid-prompt: 60 rows, tiles of 16 and a ragged last one
-             .prefill("b", 0, 21)    # a prompt's first chunk, starting at position 0
-             .decode("a", 12)        # the run's sequence again, as a decode row: its own row
-             .prefill("c", 200, 205))  # 5 rows: under the tile threshold, rows as before
-    got, expected = attend(batch, group, head_dim, torch.float32, seed=head_dim)
+    got, expected = attend(mixed_batch(block_size, seed=group), group, head_dim, torch.float32, seed=head_dim)
     torch.testing.assert_close(got, expected, **EXACT)
+
+
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 32, 16), (4, 128, 4), (8, 32, 1),
+                                                               (2, 256, 8), (1, 16, 16)])
+def test_bf16_prefill_runs_match_the_reference(group: int, head_dim: int, block_size: int) -> None:
+    """A bf16 q over a bf16 cache: the tiles on vdpbf16ps (64 dims a V pass, or 32; head_dim 16 stays rows),
+    every row to bf16's rounding of the fp32 reference over the same bf16 values."""
+    require_bf16_kernels()
+    got, expected = attend(mixed_batch(block_size, seed=group), group, head_dim, torch.bfloat16, seed=head_dim,
+                           q_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, expected, **BF16)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8])
@@ -123,16 +140,20 @@ def test_prefill_tiles_over_threads(threads: int) -> None:
     torch.testing.assert_close(got, expected, **EXACT)
 
 
-def test_a_run_takes_the_tile_path() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.cpu_isa)])
+def test_a_run_takes_the_tile_path(dtype: torch.dtype) -> None:
     """The tiles sum in another order than a row alone does: a run's outputs are close to, but not bit-equal
     with, the same rows sent one at a time (each then a decode row). If this fails, the run went as rows."""
-    batch = Batch({"a": 20}, 8, seed=6).prefill("a", 60, 124)
+    if dtype == torch.bfloat16:
+        require_bf16_kernels()
+    batch = Batch({"a": 20, "b": 50}, 8, seed=6).prefill("a", 60, 124).prefill("b", 0, 380)
     torch.manual_seed(6)
     k_cache, v_cache = torch.randn(batch.num_blocks, 8, 2, 64), torch.randn(batch.num_blocks, 8, 2, 64)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     tables, lens = batch.metadata()
-    q = torch.randn(len(batch.rows), 6, 64)
+    q = torch.randn(len(batch.rows), 6, 64).to(dtype)
     together = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 0)
     alone = torch.cat([torch.ops.tollway_cpu.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
                                                           lens[i : i + 1], 0.125, 0) for i in range(len(lens))])
-    torch.testing.assert_close(together, alone, **EXACT)
+    torch.testing.assert_close(together.float(), alone.float(), **(EXACT if dtype == torch.float32 else BF16))
     assert not torch.equal(together, alone)
