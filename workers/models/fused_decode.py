@@ -16,7 +16,7 @@ of workers/models/layer_plan.py: the same ops, bit-equal, without ~9 Python op c
 Python loop `_layers` serves torch.compile's trace and steps the plan does not cover.
 
 A step with prefill chunks or drafts (`step_hidden`) runs the same ops on all its tokens. Where every
-extending sequence is short (ROWS_ATTENTION_MAX_CONTEXT) each new token attends as a decode row over the
+extending sequence is short (`rows_attention_max_context`) each new token attends as a decode row over the
 cache up to its own position, so the step is the decode step's (one native call where the plan covers it);
 otherwise the extending sequences attend by `native.extend_step` over their rotated q, k, v views of qkv.
 
@@ -60,6 +60,20 @@ ROWS_ATTENTION_MAX_CONTEXT = 512
 sequence, 9 query / 3 KV heads of 64): 0.79 / 1.73 / 2.99 / 6.72 ms at 256 / 380 / 512 / 768 tokens against
 1.09 / 3.56 / 4.36 / 7.00 ms for torch's flash SDPA in bf16 (fp32 alike; 8.0 against 6.6 ms at 768)."""
 
+BF16_TILES_MAX_CONTEXT = 2048
+"""The same bound where a bf16 model's rows over a bf16 cache attend as tiles on AVX512-BF16's dot products
+(kernels/cpu/native/paged_prefill_bf16.h: runs of a sequence's consecutive tokens). One fresh sequence, 9 query /
+3 KV heads of 64, on a 2-core Zen 4 EPYC: 1.38 / 2.52 / 4.68 / 10.1 / 18.8 ms at 512 / 768 / 1,024 / 1,536 /
+2,048 tokens against 4.27 / 6.83 / 12.1 / 23.9 / 40.3 ms for torch's flash SDPA (bf16, causal); longer not
+measured (ops/bench/RESULTS.md)."""
+
+
+def rows_attention_max_context(model: LlamaForCausalLM, kv: KVStorage) -> int:
+    """The longest extending sequence (prefix and chunk) whose tokens attend as decode rows in `step_hidden`."""
+    bf16_tiles = (model.dtype == torch.bfloat16 and kv.keys[0].dtype == torch.bfloat16
+                  and native.tile_matmul_available())
+    return BF16_TILES_MAX_CONTEXT if bf16_tiles else ROWS_ATTENTION_MAX_CONTEXT
+
 
 def decode_hidden(
     model: LlamaForCausalLM, input_ids: torch.Tensor, kv: KVStorage, meta: PagedAttentionMetadata,
@@ -93,12 +107,12 @@ def step_hidden(
 ) -> torch.Tensor:
     """`decode_hidden` for any step `can_fuse_layers` takes: the decodes (the first `meta.num_decodes`
     sequences, one token each) attend with `paged_decode`; the other sequences' tokens too, as decode rows
-    up to their positions, where every extending sequence holds at most ROWS_ATTENTION_MAX_CONTEXT tokens,
+    up to their positions, where every extending sequence holds at most `rows_attention_max_context` tokens,
     else with `native.extend_step` on their rotated q, k and v; every other op is the fused decode's."""
     d = meta.num_decodes
     if d == meta.num_seqs:
         return decode_hidden(model, input_ids, kv, meta, cos, sin)
-    if max(meta.context_lens_list[d:]) <= ROWS_ATTENTION_MAX_CONTEXT:
+    if max(meta.context_lens_list[d:]) <= rows_attention_max_context(model, kv):
         # K/V are stored (rotary_store) before each layer attends, so a row reads its own chunk's earlier tokens
         token_tables = meta.block_tables.index_select(0, meta.seq_of_token())
         token_lens = (meta.positions + 1).to(torch.int32)

@@ -104,6 +104,16 @@ def test_bf16_prefill_runs_match_the_reference(group: int, head_dim: int, block_
     torch.testing.assert_close(got, expected, **BF16)
 
 
+@pytest.mark.cpu_isa
+def test_bf16_prefill_runs_over_long_contexts() -> None:
+    """Chunks past 1,000 tokens (what workers/models/fused_decode.py sends as rows up to BF16_TILES_MAX_CONTEXT):
+    K^T and the score rows as long, a chunk whose tiles start mid-block."""
+    require_bf16_kernels()
+    batch = Batch({"a": 140, "b": 140}, 8, seed=12).prefill("a", 900, 1100).prefill("b", 1003, 1040).decode("a", 700)
+    got, expected = attend(batch, 3, 64, torch.bfloat16, seed=12, q_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, expected, **BF16)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8])
 def test_prefill_runs_widen_narrow_caches(cache_dtype: torch.dtype) -> None:
     batch = Batch({"a": 40, "b": 40}, 8, seed=3).prefill("a", 100, 300).decode("b", 250)

@@ -123,6 +123,7 @@ def test_mixed_step_on_native_ops_equals_eager_step(tmp_path: Path, model_type: 
     forced here by a threshold of 0)."""
     if extends_as == "sdpa":
         monkeypatch.setattr(fused_decode, "ROWS_ATTENTION_MAX_CONTEXT", 0)
+        monkeypatch.setattr(fused_decode, "BF16_TILES_MAX_CONTEXT", 0)
     else:  # the contexts here are short: the fused step must not reach the SDPA path
 
         def no_sdpa(*args: object) -> None:
@@ -156,3 +157,18 @@ def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
         outputs[backend] = [s.output_ids for s in engine.generate_batch(prompts(2), params)]
         engine.check_integrity()
     assert outputs["native"] == outputs["cpu"]
+
+
+def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(tmp_path: Path) -> None:
+    """`step_hidden` sends a bf16 model's extends over a bf16 cache to the rows (as vdpbf16ps tiles) up to
+    BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16, every other pairing (or a CPU without it) up to
+    ROWS_ATTENTION_MAX_CONTEXT, and longer ones to SDPA."""
+    require_native()
+    bf16 = tiny_model(tmp_path / "bf16", "llama", torch.bfloat16, {})
+    fp32 = tiny_model(tmp_path / "fp32", "llama", torch.float32, {})
+    rows, tiles = fused_decode.ROWS_ATTENTION_MAX_CONTEXT, fused_decode.BF16_TILES_MAX_CONTEXT
+    assert tiles > rows
+    on_tiles = tiles if fused_decode.native.tile_matmul_available() else rows
+    assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == on_tiles
+    assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, torch.int8)) == rows
+    assert fused_decode.rows_attention_max_context(fp32, fp32.allocate_kv(4, 8, None)) == rows
