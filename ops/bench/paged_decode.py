@@ -8,13 +8,19 @@ the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8)
 
 Then prefill rows (what a chunked prefill step sends, workers/models/fused_decode.py): each new token of a prompt
 is a row reading the prompt's blocks up to its own position; one 380-token prompt, and a 1,024-row chunk of three.
-Under an fp32 q such runs attend as tiles (kernels/cpu/native/paged_prefill.h).
+Under an fp32 q, or a bf16 q over a bf16 cache on AVX512-BF16, such runs attend as tiles
+(kernels/cpu/native/paged_prefill.h, paged_prefill_bf16.h).
+
+With `--against-sdpa 512,1024,...`: one fresh sequence of each length, one layer, prefill rows against torch's
+flash SDPA (causal, `enable_gqa`) on the same shapes: the bounds of workers/models/fused_decode.py
+(`ROWS_ATTENTION_MAX_CONTEXT`, `BF16_TILES_MAX_CONTEXT`) come from these.
 
 Prints the median of 10 timed rounds (after 2) per dtype (q / cache: the model's own, or the int8 cache
 of kernels/kv_int8.py) and layout. To compare two versions of the
 kernel, run this from each checkout in turn (the library is built per source, `kernels/cpu/native/build.py`).
 
     PYTHONPATH=. .venv/bin/python ops/bench/paged_decode.py [--batch 32 --context 380 --threads 2]
+        [--against-sdpa 512,768,1024,1536,2048]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import native
 from kernels.kv_int8 import quantize
@@ -80,15 +87,47 @@ def time_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, prompts: int, pro
     return layers_ms(q, keys, values, tables, lens, rounds=7)
 
 
+def rows_against_sdpa(dtype: torch.dtype, length: int) -> tuple[float, float]:
+    """(ms of `length` prefill rows of one sequence, ms of torch's causal SDPA on the same shapes), one layer."""
+    per_seq = (length + BLOCK - 1) // BLOCK
+    keys, values = cache(per_seq + 4, dtype), cache(per_seq + 4, dtype)
+    ids = list(range(per_seq + 4))
+    random.Random(2).shuffle(ids)
+    tables = torch.tensor(ids[:per_seq], dtype=torch.int32).expand(length, -1).contiguous()
+    lens = torch.arange(1, length + 1, dtype=torch.int32)
+    q = torch.randn(length, KV_HEADS * GROUP, HEAD_DIM).to(dtype)
+    rows = layers_ms(q, [keys], [values], tables, lens, rounds=9) / LAYERS
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
+    k4, v4 = (torch.randn(1, KV_HEADS, length, HEAD_DIM).to(dtype) for _ in range(2))
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        times.append(time.perf_counter() - start)
+    return rows, statistics.median(times[2:]) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=380)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--against-sdpa", default="",
+                        help="only this: lengths of one fresh sequence (comma-separated), rows against torch SDPA")
     args = parser.parse_args()
     if not native.load():
         raise SystemExit(f"the native kernels are not available here: {native.unavailable_reason()}")
     torch.set_num_threads(args.threads)
+    lengths = [int(length) for length in args.against_sdpa.split(",") if length]
+    if lengths:  # only this comparison
+        print(f"one fresh sequence, one layer, {args.threads} threads: prefill rows (tiles where they run) against "
+              f"torch SDPA (causal); torch capability {torch.backends.cpu.get_cpu_capability()}")
+        for dtype in (torch.bfloat16, torch.float32):
+            for length in lengths:
+                rows, sdpa = rows_against_sdpa(dtype, length)
+                print(f"{str(dtype).removeprefix('torch.'):9} {length:5} tokens  rows {rows:6.2f} ms  "
+                      f"SDPA {sdpa:6.2f} ms  SDPA / rows {sdpa / rows:4.2f}")
+        return
     print(f"paged_decode, batch {args.batch} x {args.context} tokens, {LAYERS} layers, {args.threads} threads; "
           f"torch capability {torch.backends.cpu.get_cpu_capability()}")
     for dtype in (torch.bfloat16, torch.float32):

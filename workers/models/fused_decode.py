@@ -65,7 +65,7 @@ BF16_TILES_MAX_CONTEXT = 2048
 (kernels/cpu/native/paged_prefill_bf16.h: runs of a sequence's consecutive tokens). One fresh sequence, 9 query /
 3 KV heads of 64, on a 2-core Zen 4 EPYC: 1.38 / 2.52 / 4.68 / 10.1 / 18.8 ms at 512 / 768 / 1,024 / 1,536 /
 2,048 tokens against 4.27 / 6.83 / 12.1 / 23.9 / 40.3 ms for torch's flash SDPA (bf16, causal); longer not
-measured (ops/bench/RESULTS.md)."""
+measured (`ops/bench/paged_decode.py --against-sdpa`, ops/bench/RESULTS.md)."""
 
 
 def rows_attention_max_context(model: LlamaForCausalLM, kv: KVStorage) -> int:
