@@ -69,9 +69,13 @@ measured (`ops/bench/paged_decode.py --against-sdpa`, ops/bench/RESULTS.md)."""
 
 
 def rows_attention_max_context(model: LlamaForCausalLM, kv: KVStorage) -> int:
-    """The longest extending sequence (prefix and chunk) whose tokens attend as decode rows in `step_hidden`."""
-    bf16_tiles = (model.dtype == torch.bfloat16 and kv.keys[0].dtype == torch.bfloat16
-                  and native.tile_matmul_available())
+    """The longest extending sequence (prefix and chunk) whose tokens attend as decode rows in `step_hidden`:
+    BF16_TILES_MAX_CONTEXT where its runs go as bf16 tiles (a bf16 model over a bf16 cache, head dims of
+    whole 32s, no sliding window: the kernel's conditions, on a CPU with AVX512-BF16), else
+    ROWS_ATTENTION_MAX_CONTEXT."""
+    c = model.config
+    bf16_tiles = (model.dtype == torch.bfloat16 and kv.keys[0].dtype == torch.bfloat16 and c.head_dim % 32 == 0
+                  and c.sliding_window is None and native.tile_matmul_available())
     return BF16_TILES_MAX_CONTEXT if bf16_tiles else ROWS_ATTENTION_MAX_CONTEXT
 
 

@@ -164,11 +164,16 @@ def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(tmp_path: Path) 
     BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16, every other pairing (or a CPU without it) up to
     ROWS_ATTENTION_MAX_CONTEXT, and longer ones to SDPA."""
     require_native()
-    bf16 = tiny_model(tmp_path / "bf16", "llama", torch.bfloat16, {})
-    fp32 = tiny_model(tmp_path / "fp32", "llama", torch.float32, {})
+    head_32 = {"head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    bf16 = tiny_model(tmp_path / "bf16", "llama", torch.bfloat16, head_32)
+    windowed = tiny_model(tmp_path / "window", "mistral", torch.bfloat16, {**head_32, "sliding_window": 12})
+    head_16 = tiny_model(tmp_path / "head16", "llama", torch.bfloat16, {"head_dim": 16, "num_attention_heads": 4,
+                                                                         "num_key_value_heads": 2})
+    fp32 = tiny_model(tmp_path / "fp32", "llama", torch.float32, head_32)
     rows, tiles = fused_decode.ROWS_ATTENTION_MAX_CONTEXT, fused_decode.BF16_TILES_MAX_CONTEXT
     assert tiles > rows
     on_tiles = tiles if fused_decode.native.tile_matmul_available() else rows
     assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == on_tiles
     assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, torch.int8)) == rows
-    assert fused_decode.rows_attention_max_context(fp32, fp32.allocate_kv(4, 8, None)) == rows
+    for other in (windowed, head_16, fp32):  # no tiles: a window, a head dim under 32, fp32 (its own tiles: 512)
+        assert fused_decode.rows_attention_max_context(other, other.allocate_kv(4, 8, None)) == rows
