@@ -29,6 +29,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,17 +60,26 @@ def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, contex
     return layers_ms(q, keys, values, tables, lens, rounds=12)
 
 
-def layers_ms(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], tables: torch.Tensor,
-              lens: torch.Tensor, rounds: int) -> float:
-    """Median ms of one pass over LAYERS layers (layer i reads cache i mod len(keys)), the first 2 rounds dropped."""
+def median_ms(call: Callable[[], object], rounds: int) -> float:
+    """Median ms of `call()` over `rounds` rounds, the first 2 dropped."""
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
+
+
+def layers_ms(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], tables: torch.Tensor,
+              lens: torch.Tensor, rounds: int) -> float:
+    """Median ms of one pass over LAYERS layers (layer i reads cache i mod len(keys)), the first 2 rounds dropped."""
+
+    def layers() -> None:
         for layer in range(LAYERS):
             torch.ops.tollway_cpu.paged_decode(q, keys[layer % len(keys)], values[layer % len(keys)], tables, lens,
                                                HEAD_DIM ** -0.5, 0)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
+
+    return median_ms(layers, rounds)
 
 
 def time_prefill(dtype: torch.dtype, cache_dtype: torch.dtype, prompts: int, prompt: int, rows: int) -> float:
@@ -99,12 +109,8 @@ def rows_against_sdpa(dtype: torch.dtype, length: int) -> tuple[float, float]:
     rows = layers_ms(q, [keys], [values], tables, lens, rounds=9) / LAYERS
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
     k4, v4 = (torch.randn(1, KV_HEADS, length, HEAD_DIM).to(dtype) for _ in range(2))
-    times = []
-    for _ in range(9):
-        start = time.perf_counter()
-        F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
-        times.append(time.perf_counter() - start)
-    return rows, statistics.median(times[2:]) * 1e3
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True), rounds=9)
+    return rows, sdpa
 
 
 def main() -> None:

@@ -189,16 +189,17 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
   // Rows the per-sequence or per-(row, KV head) tasks below take: all of them, or those left outside prefill
   // runs (as tiles: fp32, or bf16 over a bf16 cache on AVX512-BF16).
+  constexpr bool fp32_tiles = std::is_same_v<T, float> && D % (2 * W) == 0;
   constexpr bool bf16_dots = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0;
   std::vector<int64_t> singles;
-  bool tiles = std::is_same_v<T, float> && D % (2 * W) == 0;
+  bool tiles = fp32_tiles;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (bf16_dots) tiles = bf16_dot_available();
 #endif
   if (tiles) {
     const std::vector<PrefillRun> runs = find_prefill_runs(geo, window, singles);
     if (!runs.empty()) {
-      if constexpr (std::is_same_v<T, float> && D % (2 * W) == 0) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
+      if constexpr (fp32_tiles) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (bf16_dots) prefill_runs_bf16<D>(geo, runs, qp, kp, vp, op, fscale);
 #endif
