@@ -25,10 +25,11 @@
 // 32 x 380 went 1.59-1.63x -> 1.56-1.57x its matmuls on a 2-core EPYC (the op alone: contiguous ~8% faster,
 // scattered level).
 //
-// Under an fp32 q, rows that are one sequence's consecutive new tokens (a prefill chunk sent as decode rows,
-// workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head, the scores and the V sum of up
-// to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One 380-token prompt's attention
-// per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's prefill line). A bf16 q
+// Under an fp32 q (or a bf16 q over an int8 cache), rows that are one sequence's consecutive new tokens (a
+// prefill chunk sent as decode rows, workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head,
+// the scores and the V sum of up to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One
+// 380-token prompt's attention per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's
+// prefill line; a bf16 q over an int8 cache: ops/bench/RESULTS.md). A bf16 q
 // over a bf16 cache does the same on vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h); the rows
 // outside runs then go by sequence or by (row, KV head) as before.
 //
@@ -188,8 +189,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float fscale = static_cast<float>(scale);
 
   // Rows the per-sequence or per-(row, KV head) tasks below take: all of them, or those left outside prefill
-  // runs (as tiles: fp32, or bf16 over a bf16 cache on AVX512-BF16).
-  constexpr bool fp32_tiles = std::is_same_v<T, float> && D % (2 * W) == 0;
+  // runs (as tiles: fp32, or bf16 over a bf16 cache on AVX512-BF16). The fp32 tiles also take a bf16 q over an
+  // int8 cache, whose rows they widen to fp32 as its decode rows do (the same arithmetic, tiled).
+  constexpr bool fp32_tiles = (std::is_same_v<T, float> || std::is_same_v<C, int8_t>) && D % (2 * W) == 0;
   constexpr bool bf16_dots = std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0;
   std::vector<int64_t> singles;
   bool tiles = fp32_tiles;

@@ -114,6 +114,15 @@ def test_bf16_prefill_runs_over_long_contexts() -> None:
     torch.testing.assert_close(got, expected, **BF16)
 
 
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 16, 16), (4, 128, 4), (2, 256, 8)])
+def test_bf16_prefill_runs_over_an_int8_cache_match_the_reference(group: int, head_dim: int, block_size: int) -> None:
+    """A bf16 q over an int8 cache goes as the fp32 tiles (its rows widened to fp32, as its decode rows are), on
+    any vector unit: every row to bf16's rounding of the fp32 reference over the dequantized cache."""
+    got, expected = attend(mixed_batch(block_size, seed=group), group, head_dim, torch.int8, seed=head_dim,
+                           q_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, expected, **BF16)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8])
 def test_prefill_runs_widen_narrow_caches(cache_dtype: torch.dtype) -> None:
     batch = Batch({"a": 40, "b": 40}, 8, seed=3).prefill("a", 100, 300).decode("b", 250)
@@ -150,16 +159,20 @@ def test_prefill_tiles_over_threads(threads: int) -> None:
     torch.testing.assert_close(got, expected, **EXACT)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.cpu_isa)])
-def test_a_run_takes_the_tile_path(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.int8),
+                                                   pytest.param(torch.bfloat16, torch.bfloat16, marks=pytest.mark.cpu_isa)])
+def test_a_run_takes_the_tile_path(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """The tiles sum in another order than a row alone does: a run's outputs are close to, but not bit-equal
     with, the same rows sent one at a time (each then a decode row). If this fails, the run went as rows."""
-    if dtype == torch.bfloat16:
+    if cache_dtype == torch.bfloat16:
         require_bf16_kernels()
     batch = Batch({"a": 20, "b": 50}, 8, seed=6).prefill("a", 60, 124).prefill("b", 0, 380)
     torch.manual_seed(6)
     k_cache, v_cache = torch.randn(batch.num_blocks, 8, 2, 64), torch.randn(batch.num_blocks, 8, 2, 64)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = quantize(k_cache), quantize(v_cache)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     tables, lens = batch.metadata()
     q = torch.randn(len(batch.rows), 6, 64).to(dtype)
     together = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 0)
