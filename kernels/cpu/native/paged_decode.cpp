@@ -29,9 +29,9 @@
 // prefill chunk sent as decode rows, workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head,
 // the scores and the V sum of up to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One
 // 380-token prompt's attention per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's
-// prefill line; a bf16 q over an int8 cache: ops/bench/RESULTS.md). A bf16 q
-// over a bf16 cache does the same on vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h); the rows
-// outside runs then go by sequence or by (row, KV head) as before.
+// prefill line; a bf16 q over an int8 cache: ops/bench/RESULTS.md). A bf16 q over a bf16 cache does the same on
+// vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h); the rows outside runs then go by sequence or
+// by (row, KV head) as before.
 //
 // A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an

@@ -116,8 +116,9 @@ def test_bf16_prefill_runs_over_long_contexts() -> None:
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 16, 16), (4, 128, 4), (2, 256, 8)])
 def test_bf16_prefill_runs_over_an_int8_cache_match_the_reference(group: int, head_dim: int, block_size: int) -> None:
-    """A bf16 q over an int8 cache goes as the fp32 tiles (its rows widened to fp32, as its decode rows are), on
-    any vector unit: every row to bf16's rounding of the fp32 reference over the dequantized cache."""
+    """A bf16 q over an int8 cache goes as the fp32 tiles (its rows widened to fp32, as its decode rows are) on
+    any vector unit, head dims of whole 2W lanes (16 stays rows on AVX512): every row to bf16's rounding of the
+    fp32 reference over the dequantized cache."""
     got, expected = attend(mixed_batch(block_size, seed=group), group, head_dim, torch.int8, seed=head_dim,
                            q_dtype=torch.bfloat16)
     torch.testing.assert_close(got, expected, **BF16)
