@@ -8,8 +8,8 @@ the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8)
 
 Then prefill rows (what a chunked prefill step sends, workers/models/fused_decode.py): each new token of a prompt
 is a row reading the prompt's blocks up to its own position; one 380-token prompt, and a 1,024-row chunk of three.
-Under an fp32 q, or a bf16 q over a bf16 cache on AVX512-BF16, such runs attend as tiles
-(kernels/cpu/native/paged_prefill.h, paged_prefill_bf16.h).
+Under an fp32 q or a bf16 q over an int8 cache (kernels/cpu/native/paged_prefill.h), or a bf16 q over a bf16 cache
+on AVX512-BF16 (paged_prefill_bf16.h), such runs attend as tiles.
 
 With `--against-sdpa 512,1024,...`: one fresh sequence of each length, one layer, prefill rows against torch's
 flash SDPA (causal, `enable_gqa`) on the same shapes: the bounds of workers/models/fused_decode.py
