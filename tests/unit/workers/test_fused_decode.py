@@ -159,10 +159,12 @@ def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
     assert outputs["native"] == outputs["cpu"]
 
 
-def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(tmp_path: Path) -> None:
+def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`step_hidden` sends a bf16 model's extends over a bf16 cache to the rows (as vdpbf16ps tiles) up to
-    BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16, every other pairing (or a CPU without it) up to
-    ROWS_ATTENTION_MAX_CONTEXT, and longer ones to SDPA."""
+    BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16 and no AMX, every other pairing (or a CPU without
+    AVX512-BF16, or one with AMX, whose SDPA is faster) up to ROWS_ATTENTION_MAX_CONTEXT, and longer ones to SDPA."""
     require_native()
     head_32 = {"head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
     bf16 = tiny_model(tmp_path / "bf16", "llama", torch.bfloat16, head_32)
@@ -172,8 +174,11 @@ def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(tmp_path: Path) 
     fp32 = tiny_model(tmp_path / "fp32", "llama", torch.float32, head_32)
     rows, tiles = fused_decode.ROWS_ATTENTION_MAX_CONTEXT, fused_decode.BF16_TILES_MAX_CONTEXT
     assert tiles > rows
-    on_tiles = tiles if fused_decode.native.tile_matmul_available() else rows
+    on_tiles = tiles if fused_decode.native.tile_matmul_available() and not fused_decode.cpu_has_amx_bf16() else rows
     assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == on_tiles
+    for amx, bound in ((True, rows), (False, tiles if fused_decode.native.tile_matmul_available() else rows)):
+        monkeypatch.setattr(fused_decode, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == bound
     assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, torch.int8)) == rows
     for other in (windowed, head_16, fp32):  # no tiles: a window, a head dim under 32, fp32 (its own tiles: 512)
         assert fused_decode.rows_attention_max_context(other, other.allocate_kv(4, 8, None)) == rows
