@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # ProjectionKind of layer_stack.cpp, by the op that runs the projection.
-_LINEAR, _MKLDNN, _FEW_ROWS, _INT4, _INT4_Q8, _INT8, _INT8_Q8 = range(7)
+_LINEAR, _MKLDNN, _FEW_ROWS, _INT4, _INT4_Q8, _INT8, _INT8_Q8, _AMX_ROWS = range(8)
 _ROW_KERNEL_KINDS = {"tollway_cpu::int4_matmul": _INT4, "tollway_cpu::int4_matmul_q8": _INT4_Q8,
                      "tollway_cpu::int8_matmul": _INT8, "tollway_cpu::int8_matmul_q8": _INT8_Q8,
-                     "tollway_cpu::few_rows_linear": _FEW_ROWS}
+                     "tollway_cpu::few_rows_linear": _FEW_ROWS, "tollway_cpu::amx_rows_linear": _AMX_ROWS}
 
 Entry = tuple[int, list[torch.Tensor | None], list[int]]
 """A projection in the plan: its kind, its 3 tensor slots, its 2 ints."""
@@ -91,6 +91,8 @@ def projection_entry(run: Any) -> Entry | None:
             return None
         if kind == _FEW_ROWS:
             return kind, [kw["weight"], kw["bias"], None], [0, 0]
+        if kind == _AMX_ROWS:
+            return kind, [kw["packed"], kw["bias"], None], [0, 0]
         if kind in (_INT4, _INT4_Q8):
             return kind, [kw["qweight"], kw["scales"], kw["mins"]], [kw["n"], kw["group"]]
         return kind, [kw["qweight"], kw["scales"], None], [kw["n"], 0]

@@ -48,6 +48,20 @@ weights 6-67% faster; from 8 to 15 rows oneDNN led or was level (compute-bound t
 accumulators), and from 49 on the LM head and gate_up."""
 BF16_FEW_ROWS_HEAD = frozenset(range(16, 49))
 """The same for the LM head: from 1 to 2 rows oneDNN read its 57 MB faster (70 vs 52 GB/s at one row)."""
+AMX_ROWS = frozenset(range(1, 33))
+"""bf16 batches of these many rows run on `amx_rows_linear` (kernels/cpu/native/few_rows_amx.cpp) where the CPU has
+AMX-BF16, every projection and the LM head. On a 2-core Emerald Rapids Xeon, the engine's decode step alternating
+with oneDNN's AMX GEMM (its packed weights) in one process: the matmuls of a step 39.7 -> 19.0 ms at 4 rows and
+51.2 -> 30.4 ms at 32; a single stream's step 36.9 -> 20.6 ms (ops/bench/RESULTS.md). Past 32 rows (prefill
+chunks) oneDNN runs."""
+
+
+def pack_amx_rows(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (N, K multiples of 32) as `amx_rows_linear`'s tiles [N / 32, K / 32, 2, 16, 32]: for each
+    32 columns and 32 of K, each 16-column half's B tile, row r holding K pair (2r, 2r + 1) of its columns."""
+    n, k = weight.shape
+    tiles = weight.detach().reshape(n // 32, 2, 16, k // 32, 16, 2)  # [group, half, column, k step, pair, 2]
+    return tiles.permute(0, 3, 1, 4, 2, 5).reshape(n // 32, k // 32, 2, 16, 32).contiguous()
 
 
 def packing_kind(dtype: torch.dtype) -> str | None:
@@ -73,6 +87,7 @@ class PackedLinear(nn.Module):
     """`linear` as the native step runs it; forward(x [M, in]) -> [M, out] as `linear(x)`."""
 
     packed: torch.Tensor | None  # oneDNN's copy of the weight (a buffer, not saved with the model); None for few_rows
+    amx_packed: torch.Tensor | None  # amx_rows_linear's copy (a buffer, not saved) where AMX runs decode rows
 
     def __init__(self, linear: nn.Linear, kind: str, batch_hint: int = 32,
                  bf16_rows: frozenset[int] = BF16_FEW_ROWS) -> None:
@@ -86,6 +101,10 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.register_buffer("packed", packed, persistent=False)
+        amx = (kind == "mkldnn" and linear.weight.dtype == torch.bfloat16 and linear.out_features % 32 == 0
+               and linear.in_features % 32 == 0 and native.amx_rows_available())
+        # A second copy of the weight (the model's bf16 weights again) where AMX runs the decode rows.
+        self.register_buffer("amx_packed", pack_amx_rows(linear.weight) if amx else None, persistent=False)
         self.bf16_rows = bf16_rows  # the batch sizes the bf16 kernel runs, where it runs here at all
         self.bf16_few_rows = (kind == "mkldnn" and linear.in_features % 2 == 0
                               and linear.weight.is_contiguous() and bf16_few_rows_available())
@@ -96,9 +115,16 @@ class PackedLinear(nn.Module):
             return rows <= FEW_ROWS_MAX_ROWS
         return self.bf16_few_rows and rows in self.bf16_rows
 
+    def runs_amx_rows(self, rows: int) -> bool:
+        """Whether a batch of `rows` rows runs on `amx_rows_linear` (bf16 on an AMX CPU, AMX_ROWS)."""
+        return self.amx_packed is not None and rows in AMX_ROWS
+
     def row_kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """`few_rows_linear` bound to this layer's weights where a batch of `rows` rows runs on it (for the
-        decode step's plan, workers/models/layer_plan.py); None otherwise."""
+        """`few_rows_linear` or `amx_rows_linear` bound to this layer's weights where a batch of `rows` rows runs
+        on it (for the decode step's plan, workers/models/layer_plan.py); None otherwise."""
+        if self.runs_amx_rows(rows):
+            return functools.partial(torch.ops.tollway_cpu.amx_rows_linear.default, packed=self.amx_packed,
+                                     bias=self.bias)
         if not self.runs_few_rows(rows):
             return None
         return functools.partial(torch.ops.tollway_cpu.few_rows_linear.default, weight=self.weight, bias=self.bias)
@@ -107,6 +133,8 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling() and self.kind == "mkldnn":  # one opaque op (see packed_linear_op)
             assert self.packed is not None
             return packed_linear_op(x, self.packed, self.weight, self.bias)
+        if x.dim() == 2 and self.amx_packed is not None and x.shape[0] in AMX_ROWS:  # runs_amx_rows
+            return _amx_rows_linear(x, self.amx_packed, self.bias)
         if x.dim() == 2 and self.runs_few_rows(x.shape[0]):
             return _few_rows_linear(x, self.weight, self.bias)
         if self.kind == "few_rows":
@@ -117,6 +145,10 @@ class PackedLinear(nn.Module):
 
 def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.tollway_cpu.few_rows_linear(x, weight, bias)
+
+
+def _amx_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.tollway_cpu.amx_rows_linear(x, packed, bias)
 
 
 @torch.library.custom_op("tollway_packed::linear", mutates_args=())

@@ -114,6 +114,13 @@ def q8_kernel() -> str | None:
 
 
 @cache
+def amx_rows_available() -> bool:
+    """Whether `amx_rows_linear` runs here (the library loads, built for AVX512, on a CPU with AMX-BF16 whose
+    kernel lets this process use the tiles)."""
+    return load() and bool(torch.ops.tollway_cpu.amx_rows_available())
+
+
+@cache
 def tile_matmul_available() -> bool:
     """Whether the *_tile_matmul ops run here (the library loads, built for AVX512, on a CPU with AVX512-BF16)."""
     return load() and bool(torch.ops.tollway_cpu.tile_matmul_available())

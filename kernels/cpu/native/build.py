@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "tollway_cpu.cpp", "paged_decode.cpp", "layer_ops.cpp", "quantized_matmul.cpp",
     "quantized_q8.cpp", "quantized_vnni.cpp", "quantized_avx2.cpp", "quantized_tiles.cpp", "head_ops.cpp",
-    "layer_stack.cpp", "decode_metadata.cpp", "few_rows.cpp", "few_rows_bf16.cpp"))
+    "layer_stack.cpp", "decode_metadata.cpp", "few_rows.cpp", "few_rows_bf16.cpp", "few_rows_amx.cpp"))
 """Compiled together into one library (`tollway_cpu.cpp` defines it, the others add their ops): the decode
 step's attention and small fused ops, the LM head's logits refinement, and the weight-only quantized matmuls (the int8-activation ones in an AVX2
 build and an AVX512-VNNI one, the latter compiled for that extension alone and called only where the CPU has it)."""

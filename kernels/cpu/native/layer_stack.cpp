@@ -42,6 +42,7 @@ enum ProjectionKind : int64_t {
   kInt4Q8 = 4,   // tollway_cpu::int4_matmul_q8(the same, "auto")
   kInt8 = 5,     // tollway_cpu::int8_matmul(x, qweight T0, scales T1, n I0)
   kInt8Q8 = 6,   // tollway_cpu::int8_matmul_q8(the same, "auto")
+  kAmxRows = 7,  // tollway_cpu::amx_rows_linear(x, packed T0, bias T1?): bf16 rows on AMX tiles (few_rows_amx.cpp)
 };
 
 c10::OperatorHandle op(const char* name) {
@@ -66,10 +67,11 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
       handle = &linear;
       break;
     }
-    case kFewRows: {
+    case kFewRows: case kAmxRows: {
       static const c10::OperatorHandle few_rows = op("tollway_cpu::few_rows_linear");
+      static const c10::OperatorHandle amx_rows = op("tollway_cpu::amx_rows_linear");
       stack.push_back(tensor(1));
-      handle = &few_rows;
+      handle = kind == kFewRows ? &few_rows : &amx_rows;
       break;
     }
     case kMkldnn: {

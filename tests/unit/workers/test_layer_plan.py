@@ -40,20 +40,21 @@ def model_for(tmp_path: Path, dtype: torch.dtype, quantization: str, activations
     return load_model(folder, dtype, quantization=quantization, activations=activations).model
 
 
-def both_ways(model: LlamaForCausalLM) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]:
-    """One decode step of 5 sequences from the same prefilled cache, by the plan and by the Python loop:
-    each way's hidden states and its caches after the step."""
-    pool = BlockPool(64, 8)
+def both_ways(model: LlamaForCausalLM, lengths: tuple[int, ...] = (3, 17, 40, 9, 30),
+              ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], ...]:
+    """One decode step of sequences of `lengths` tokens from the same prefilled cache, by the plan and by the
+    Python loop: each way's hidden states and its caches after the step."""
+    pool = BlockPool(-(-sum(lengths) // 8) + 2 * len(lengths), 8)
     kv = model.allocate_kv(pool.num_blocks, pool.block_size)
     gen = torch.Generator().manual_seed(3)
-    batch = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 30)]
+    batch = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
     tables = [BlockTable(pool) for _ in batch]
     run_step(model, kv, tables, batch, backend="cpu")
     for table in tables:
         table.append(1)
     meta = PagedAttentionMetadata.build([1] * len(batch), [t.num_tokens for t in tables],
                                         [t.block_ids for t in tables], pool.block_size, backend="native")
-    input_ids = torch.tensor([5, 9, 17, 33, 65])
+    input_ids = torch.tensor([5, 9, 17, 33, 65] * -(-len(lengths) // 5))[: len(lengths)]
     cos, sin = model.rotary.gather(meta.positions, meta.max_context_len - 1, model.dtype)
     results = []
     for way in ("plan", "loop"):
