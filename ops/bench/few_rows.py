@@ -1,7 +1,8 @@
 """Matmuls of a few rows, as a decode step runs them (issue 21): in fp32, `tollway_cpu::few_rows_linear`
 against MKL's sgemm (plain `F.linear`, and packed for 32 rows as `workers/models/packed_linear.py` packs) and
 oneDNN's packed fp32 inner product; with `--dtype bfloat16` (a CPU with AVX512-BF16), its bf16 kernel against
-`F.linear` and oneDNN's packed bf16 GEMM (what the native step ran before).
+`F.linear` and oneDNN's packed bf16 GEMM (what the native step ran before), and on a CPU with AMX-BF16 up to 32 rows
+`amx_rows_linear` (kernels/cpu/native/few_rows_amx.cpp, what the native step runs there).
 
 The weights are those of a whole model's layers, so each matmul reads its weight from memory as a decode step
 does (a step reads every layer's weights once; a loop over one weight would find it in cache). For each shape
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import native
+from workers.models.packed_linear import pack_amx_rows
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 """(N, K) of SmolLM2-135M's fused projections and head."""
@@ -55,6 +57,8 @@ def packed_copies(weights: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         packed["mkl"] = [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in weights]
     if torch.backends.mkldnn.is_available():
         packed["dnn"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    if weights[0].dtype == torch.bfloat16 and native.amx_rows_available():
+        packed["amx"] = [pack_amx_rows(w) for w in weights]
     return packed
 
 
@@ -69,6 +73,9 @@ def systems_for(x: torch.Tensor, weights: list[torch.Tensor],
     if "dnn" in packed:
         dnn = packed["dnn"]
         systems["oneDNN packed"] = lambda i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")
+    if "amx" in packed and x.shape[0] <= 32:
+        amx = packed["amx"]
+        systems["AMX rows"] = lambda i: torch.ops.tollway_cpu.amx_rows_linear(x, amx[i], None)
     return systems
 
 
