@@ -6,8 +6,9 @@ batches of a few rows on the native library's `few_rows_linear`.
   `BF16_FEW_ROWS` rows (`BF16_FEW_ROWS_HEAD` in the LM head) on a CPU with AVX512-BF16 and no AMX,
   `few_rows_linear`'s bf16 kernel (kernels/cpu/native/few_rows_bf16.cpp) runs instead: a decode step's
   projections and LM head at 32 rows took 12.1 ms there against oneDNN's 15.6 on a Zen 5 EPYC
-  (ops/bench/RESULTS.md). AMX CPUs keep oneDNN (its AMX kernels; not measured here); so do other row counts
-  and prefill.
+  (ops/bench/RESULTS.md). On a CPU with AMX-BF16, batches of `AMX_ROWS` rows run on `amx_rows_linear`
+  (kernels/cpu/native/few_rows_amx.cpp) over a tile-packed copy of the weight: about half oneDNN's time there.
+  Other row counts and prefill keep oneDNN.
 - fp32: MKL's sgemm, packed (`_mkl_reorder_linear_weight`, which this module used before) or not, read a
   decode step's weights at 3-7 GB/s on a 2-core AVX2 EPYC that streams memory at ~30 GB/s; `few_rows_linear`
   (kernels/cpu/native/few_rows.cpp) reads each weight row once and multiplies it by every row of the batch
