@@ -6,6 +6,13 @@ tokens (on the five questions' 87 tokens two flips fail the bound: the int8 cach
 with a float16 cache a prefix hit gives the tokens a cold prompt gave (the cache's rounded K/V are what every
 read sees); no block leaks.
 
+That equality needs each token's K/V computed bit for bit alike in both rounds, and the fp32 linears are not: a
+cold prompt's tokens go through MKL's sgemm (chunks past FEW_ROWS_MAX_ROWS rows), a prefix hit's uncached suffix
+through `few_rows_linear`, summing in other orders; on an Intel host's MKL (2026-11-28, an Emerald Rapids Xeon)
+that moved one sequence's last token of a near-tie, on main before and after that session's changes alike. So the
+float16 prefix-hit case runs every fp32 linear on `few_rows_linear` (row-invariant: a row's sums do not depend on
+the batch), which isolates what it checks, the cache.
+
 The int8 cache's prefix hits are held to the fp32 bound, not to the cold round's tokens. A cold prefill and
 a prefix hit compute the same K through different attention paths (2-3e-5 apart in fp32); where such a
 difference crosses a rounding boundary an int8 code flips by one step and the rounds' logits move 1e-2 to
@@ -25,6 +32,7 @@ from tests.integration.test_engine_smollm2 import AGREEMENT_QUESTIONS, AGREEMENT
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.request import Sequence
+from workers.models import packed_linear
 from workers.models.loader import LoadedModel, load_model
 from workers.paged_step import prefill_logits
 from workers.precision import resolve_dtype
@@ -41,8 +49,13 @@ def prompts(fp32: LoadedModel) -> list[list[int]]:
 @pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("regime", ["chunked", "prefix-hits", "preempting"])  # batched = prefix-hits, round 1
 def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: list[list[int]],
-                                                  regime: str, cache_dtype: str) -> None:
+                                                  regime: str, cache_dtype: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     base = REGIMES[regime]
+    exact_rounds = regime == "prefix-hits" and cache_dtype == "float16"
+    if exact_rounds:  # every linear row-invariant (module docstring); plans built before are set aside meanwhile
+        monkeypatch.setattr(packed_linear, "FEW_ROWS_MAX_ROWS", 1 << 20)
+        monkeypatch.delitem(fp32.model.__dict__, "_layer_plans", raising=False)
     engine = Engine(fp32, EngineConfig(num_blocks=base.num_blocks, block_size=base.block_size,
                                        max_batch_tokens=base.max_batch_tokens, kv_cache_dtype=cache_dtype))
     assert engine.runner.kv.keys[0].dtype == getattr(torch, cache_dtype)
@@ -53,7 +66,7 @@ def test_narrow_cache_tracks_fp32_in_every_regime(fp32: LoadedModel, prompts: li
     seqs = rounds[-1]
     if regime == "prefix-hits":
         assert all(s.cached_len >= len(prompts[0]) // 2 for s in seqs)
-        if cache_dtype == "float16":  # int8: see the module docstring
+        if exact_rounds:  # int8: see the module docstring
             assert [s.output_ids for s in seqs] == [s.output_ids for s in rounds[0]]
     agree, total = fp32_agreement(fp32, prompts, seqs)
     assert total >= 500 and agree / total >= 0.98, f"{regime}: {agree}/{total} tokens are fp32's argmax"
