@@ -134,7 +134,8 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling() and self.kind == "mkldnn":  # one opaque op (see packed_linear_op)
             assert self.packed is not None
             return packed_linear_op(x, self.packed, self.weight, self.bias)
-        if x.dim() == 2 and self.amx_packed is not None and x.shape[0] in AMX_ROWS:  # runs_amx_rows
+        if x.dim() == 2 and self.runs_amx_rows(x.shape[0]):
+            assert self.amx_packed is not None
             return _amx_rows_linear(x, self.amx_packed, self.bias)
         if x.dim() == 2 and self.runs_few_rows(x.shape[0]):
             return _few_rows_linear(x, self.weight, self.bias)
