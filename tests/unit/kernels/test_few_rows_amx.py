@@ -115,8 +115,8 @@ def test_packed_linear_runs_it_for_its_rows_and_onednn_otherwise(monkeypatch: py
 
 @pytest.mark.cpu_isa
 def test_the_step_plan_runs_it_as_the_python_loop(tmp_path: Path) -> None:
-    """5 and 20 sequences decode (one and two row tiles): the plan's `amx_rows_linear` entries give the Python loop's hidden states
-    and K/V bit for bit."""
+    """5 and 20 sequences decode (one and two row tiles): the plan's `amx_rows_linear` entries give the Python
+    loop's hidden states and K/V bit for bit."""
     require_amx_rows()
     from tests.unit.workers.test_layer_plan import both_ways, model_for, projection_kinds
     from workers.models.layer_plan import plan_for
