@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from ops.bench.http_load import cpu_times, percentile
 from tests.e2e.tollway_up import Tollway, child_pids, start_tollway
 from tests.net import get_json
 from tests.reliability.soak_traffic import BatchFeeder, KeyChurn, Outcome, one_request
@@ -48,19 +49,8 @@ def rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def p99(values: list[float]) -> float:
-    return quantile(values, 0.99)
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs from /proc/stat: how much the hypervisor took from this host."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return fields[7], sum(fields)
+    return percentile(values, 0.99)
 
 
 def capacity(url: str, key: str, seconds: float = 30.0, clients: int = 16) -> float:
@@ -121,7 +111,7 @@ def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
         with lock:
             results.append(outcome)
 
-    started, ticks_at_start = time.monotonic(), cpu_ticks()
+    started, ticks_at_start = time.monotonic(), cpu_times()
     for thread in side:
         thread.start()
     with ThreadPoolExecutor(32) as pool:
@@ -137,7 +127,7 @@ def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
     churn.stop()
     ended = batches.finish()
     elapsed = time.monotonic() - started
-    steal = [end - begin for end, begin in zip(cpu_ticks(), ticks_at_start, strict=True)]
+    steal = [end - begin for end, begin in zip(cpu_times(), ticks_at_start, strict=True)]
     final = {name: rss_mb(pid) for name, pid in pids.items()}
     assert [tollway.worker_pid(0), child_pids(f"ops.cli gateway --port {tollway.port}")] == \
         [pids["worker"], [pids["gateway"]]], "a child was restarted during the soak"
@@ -176,13 +166,13 @@ def test_soak_at_a_steady_rate(tollway: Tollway) -> None:
     else:
         third = len(ordered) // 3
         first, last = [o.latency for o in ordered[:third]], [o.latency for o in ordered[-third:]]
-        check, statistic, bound = "p90", quantile(last, 0.9), 1.5 * quantile(first, 0.9) + 0.05
+        check, statistic, bound = "p90", percentile(last, 0.9), 1.5 * percentile(first, 0.9) + 0.05
     latencies = sorted(o.latency for o in results)
     # The figures first, so that a run failing one of the bounds below still reports them all.
     print(f"\nsoak {elapsed:.0f} s at {rate:.2f}/s: {total} requests + {churn.cycles} key cycles + "
           f"{sum(b['request_counts']['total'] for b in ended.values())} batch lines; 0 errors, 0 5xx; "
           f"usage rows = admitted requests ({len(admitted)}); p50 {latencies[len(latencies) // 2] * 1000:.0f} ms; "
-          f"p90 first window {quantile(first, 0.9) * 1000:.0f} ms, last {quantile(last, 0.9) * 1000:.0f} ms; "
+          f"p90 first window {percentile(first, 0.9) * 1000:.0f} ms, last {percentile(last, 0.9) * 1000:.0f} ms; "
           f"p99 first window {p99(first) * 1000:.0f} ms, last {p99(last) * 1000:.0f} ms; "
           f"host steal {steal[0] / max(1, steal[1]):.1%}; RSS MB baseline→final "
           f"(peak): " + ", ".join(f"{n} {baseline[n]:.0f}→{final[n]:.0f} ({peak[n]:.0f}, {growth[n]:+.1%})"
