@@ -39,9 +39,10 @@ struct TaskRows {
   float* s;
   int64_t L;
   bool prefetch;  // the task's first pass: fetch the K and V rows kPrefetch tokens ahead
-  const int64_t* next_rows;  // the thread's next task's row offsets (its K rows are fetched during this V sum)
+  const int64_t* next_rows;  // the thread's next task's row offsets (its K or V rows are fetched in this V sum)
   int64_t next_n;            // how many (0: no next task, or not this pass)
   BFloat16* probs16;  // bf16 caches: the pass's probabilities rounded to bf16, a row of L per head (value_sum_bf16)
+  bool next_v = false;       // value_sum fetches the next task's V rows, not its K rows
 };
 
 // Bytes of a cache row of D values of C: int8 rows carry their groups' scales after the codes.
