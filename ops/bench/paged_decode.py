@@ -4,7 +4,9 @@ the default model's shape (3 KV heads x 3 query heads, head dim 64, blocks of 8)
 - scattered: every sequence's blocks at random places, each layer its own cache (what a cache
   that has served a while holds: freed, evicted and shared blocks), streamed from DRAM;
 - contiguous: each sequence's blocks in order (a fresh cache, prefilled sequence by sequence);
-- warm: the scattered layout, one layer's cache read 30 times (it stays in L2/L3: the op's compute).
+- warm: the scattered layout, one layer's cache read 30 times (it stays in L2/L3: the op's compute);
+- uneven: scattered, the batch's first half at 1.8x the context and its second at 0.2x (the same tokens in
+  all): how the threads share a batch whose long contexts sit together (tasks are claimed longest first).
 
 Then prefill rows (what a chunked prefill step sends, workers/models/fused_decode.py): each new token of a prompt
 is a row reading the prompt's blocks up to its own position; one 380-token prompt, and a 1,024-row chunk of three.
@@ -46,7 +48,10 @@ def cache(num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, context: int, layout: str) -> float:
-    per_seq = (context + BLOCK - 1) // BLOCK
+    contexts = [context] * batch
+    if layout == "uneven":
+        contexts = [round(context * (1.8 if i < batch // 2 else 0.2)) for i in range(batch)]
+    per_seq = (max(contexts) + BLOCK - 1) // BLOCK
     num_blocks = batch * per_seq + 8
     distinct = 1 if layout == "warm" else LAYERS
     keys = [cache(num_blocks, cache_dtype) for _ in range(distinct)]
@@ -55,7 +60,7 @@ def time_layout(dtype: torch.dtype, cache_dtype: torch.dtype, batch: int, contex
     if layout != "contiguous":
         random.Random(0).shuffle(ids)
     tables = torch.tensor([ids[i * per_seq:(i + 1) * per_seq] for i in range(batch)], dtype=torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
     q = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM).to(dtype)
     return layers_ms(q, keys, values, tables, lens, rounds=12)
 
@@ -139,7 +144,7 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for cache_dtype in (dtype, torch.int8):
             figures = "  ".join(f"{layout} {time_layout(dtype, cache_dtype, args.batch, args.context, layout):6.1f} ms"
-                                for layout in ("scattered", "contiguous", "warm"))
+                                for layout in ("scattered", "contiguous", "warm", "uneven"))
             name = f"{str(dtype).removeprefix('torch.')} / {str(cache_dtype).removeprefix('torch.')}"
             print(f"{name:18} {figures}")
     print("prefill rows, 30 layers")

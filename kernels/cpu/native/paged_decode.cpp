@@ -221,7 +221,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (decode_by_sequence<D>(geo, singles, qp, kp, vp, op, fscale, window)) return;
   }
 #endif
-  LongestFirst tasks(int64_t(singles.size()) * Hkv, [&](int64_t task) { return geo.lens[singles[task / Hkv]]; });
+  // A task per (row, KV head); where there are rows enough to share out, a thread claims a row's heads together.
+  const int64_t count = int64_t(singles.size()), unit = count >= 2 * at::get_num_threads() ? Hkv : 1;
+  LongestFirst tasks(count * Hkv, [&](int64_t task) { return geo.lens[singles[task / Hkv]]; }, unit);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(kHeadsPerPass * L);
     std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
