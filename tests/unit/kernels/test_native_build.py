@@ -45,3 +45,36 @@ def test_an_installed_package_ships_every_source_and_header() -> None:
     patterns = pyproject["tool"]["setuptools"]["package-data"]["kernels.cpu.native"]
     for path in (*build.SOURCES, *build.HEADERS):
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns), path.name
+
+
+def test_sources_compile_separately_and_link_into_one_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        build.compiler()
+    except build.BuildError as exc:
+        unavailable(str(exc))
+    one, two = tmp_path / "one.cpp", tmp_path / "two.cpp"
+    one.write_text('extern "C" int tollway_one() { return 1; }\n')
+    two.write_text('extern "C" int tollway_one();\n'  # the build hides symbols by default (-fvisibility=hidden)
+                   'extern "C" __attribute__((visibility("default"))) int tollway_two() { return tollway_one() + 1; }\n')
+    monkeypatch.setattr(build, "SOURCES", (one, two))
+    monkeypatch.setattr(build, "vector_flags", lambda: [])
+    output = tmp_path / "lib.so"
+    build.compile_library(output)
+    import ctypes
+    assert ctypes.CDLL(str(output)).tollway_two() == 2
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("objects-")] == []  # scratch removed
+
+
+def test_a_failing_source_is_named_in_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        build.compiler()
+    except build.BuildError as exc:
+        unavailable(str(exc))
+    good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
+    good.write_text("int tollway_good() { return 1; }\n")
+    bad.write_text("#error this source is broken on purpose\n")
+    monkeypatch.setattr(build, "SOURCES", (good, bad))
+    monkeypatch.setattr(build, "vector_flags", lambda: [])
+    with pytest.raises(build.BuildError, match=r"compiling bad\.cpp failed:(.|\n)*broken on purpose"):
+        build.compile_library(tmp_path / "lib.so")
+    assert not (tmp_path / "lib.so").exists()
