@@ -15,6 +15,7 @@
 // Rounding: fp32 products with fused multiply-adds, summed in a different order than a BLAS sgemm: results
 // differ from F.linear by fp32 rounding (relative ~1e-6), never in kind.
 #include "few_rows.h"
+#include "step_ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -62,23 +63,30 @@ void weight_rows(const float* x, int64_t M, const float* w, int64_t K, float* y,
   if (M - m == 1) tile<NR, 1>(x + m * K, w, K, y + m * N, N);
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+}  // namespace
+
+namespace tollway_native {
+
+void few_rows_linear_out(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "few_rows_linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), "few_rows_linear: a contiguous weight expected");
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == weight.size(0) &&
+                  y.scalar_type() == x.scalar_type(),
+              "few_rows_linear: the output must be a contiguous [M, N] in x's dtype");
   const at::Tensor xc = x.contiguous();
 #if defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
-    at::Tensor y = tollway_native::few_rows_bf16(xc, weight);
+    few_rows_bf16(xc, weight, y);
     if (bias.has_value()) y.add_(*bias);
-    return y;
+    return;
   }
 #endif
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "few_rows_linear: fp32 x and weight expected (bf16 on AVX512-BF16 CPUs)");
   const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return;
   const float* xp = xc.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -97,6 +105,17 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
     }
   });
   if (bias.has_value()) y.add_(*bias);
+}
+
+}  // namespace tollway_native
+
+namespace {
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "few_rows_linear: x [M, K] and weight [N, K] expected, got ",
+              x.sizes(), " and ", weight.sizes());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  tollway_native::few_rows_linear_out(x, weight, bias, y);
   return y;
 }
 

@@ -9,7 +9,7 @@ namespace tollway_native {
 constexpr int64_t kFewRowsBf16MaxRows = 64;  // 4 vectors of 16 rows of x: the kernel's widest accumulator tile
 
 #if defined(CPU_CAPABILITY_AVX512)
-at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& weight);
+void few_rows_bf16(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y);  // y [M, N] bf16, contiguous
 #endif
 
 }  // namespace tollway_native

@@ -174,13 +174,12 @@ TOLLWAY_BF16_DOT const uint32_t* pairs_of_rows(const BFloat16* x, int64_t M, int
 
 }  // namespace
 
-TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& weight) {
+TOLLWAY_BF16_DOT void few_rows_bf16(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
   TORCH_CHECK(bf16_dot_available(), "few_rows_linear: bf16 needs a CPU with AVX512-BF16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M <= kFewRowsBf16MaxRows, "few_rows_linear: bf16 takes at most ", kFewRowsBf16MaxRows, " rows, got ", M);
   TORCH_CHECK(K % 2 == 0, "few_rows_linear: bf16 needs an even K (pairs of K), got ", K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return;
   const BFloat16* xp = x.data_ptr<BFloat16>();  // [M][K], contiguous
   const BFloat16* w = weight.data_ptr<BFloat16>();
   BFloat16* yp = y.data_ptr<BFloat16>();
@@ -190,7 +189,7 @@ TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor&
     } else {
       row_tiles<4, 4>(xp, M, w, K, N, yp);
     }
-    return y;
+    return;
   }
   const int64_t MV = (M + 15) / 16, Mpad = 16 * MV, K2 = K / 2;
   const uint32_t* xpairs = pairs_of_rows(xp, M, K2, Mpad);
@@ -200,7 +199,6 @@ TOLLWAY_BF16_DOT at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor&
     case 3: all_tiles<3>(xpairs, M, w, K, N, yp); break;
     default: all_tiles<4>(xpairs, M, w, K, N, yp); break;
   }
-  return y;
 }
 
 }  // namespace tollway_native

@@ -3,6 +3,7 @@
 // Their bf16 roundings run W lanes at a time (round_vec / store_vec), bit-equal to c10's scalar BFloat16: the
 // scalar loops cost a bf16 decode step at batch 32 ~2 ms on a 2-core AVX512 host (rotary_store 55 -> 15 us a call).
 #include "common.h"
+#include "step_ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,36 +34,35 @@ inline float sum_of_squares(const float* r, int64_t H) {
   return sum;
 }
 
-// residual row n (H floats at r) += x's row n (fp32 or bf16).
-inline void add_row(float* r, const at::Tensor& x, int64_t n, int64_t H) {
-  if (x.scalar_type() == at::kFloat) {
-    const float* xp = x.data_ptr<float>() + n * H;
-    for (int64_t i = 0; i < H; ++i) r[i] += xp[i];
-    return;
-  }
-  const BFloat16* xp = x.data_ptr<BFloat16>() + n * H;
-  int64_t i = 0;
-  for (; i + W <= H; i += W) (Vec::loadu(r + i) + load_vec(xp + i)).store(r + i);
-  for (; i < H; ++i) r[i] += static_cast<float>(xp[i]);
+// A row of H floats at r += the row of H values at x (fp32 or bf16).
+inline void add_row(float* r, const float* x, int64_t H) {
+  for (int64_t i = 0; i < H; ++i) r[i] += x[i];
 }
 
-// residual [N, H] fp32 += x (any of fp32/bf16, optional); returns weight * rms_norm(residual) in the
+inline void add_row(float* r, const BFloat16* x, int64_t H) {
+  int64_t i = 0;
+  for (; i + W <= H; i += W) (Vec::loadu(r + i) + load_vec(x + i)).store(r + i);
+  for (; i < H; ++i) r[i] += static_cast<float>(x[i]);
+}
+
+// residual [N, H] fp32 += x (any of fp32/bf16, optional); out = weight * rms_norm(residual) in the
 // weight's dtype, the normalised row rounded to that dtype before the weight multiplies it (as
 // `weight * F.rms_norm(h.float()).to(weight.dtype)` does).
 template <typename T>
-at::Tensor add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
-                             double eps) {
+void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                       double eps, at::Tensor& out) {
   const int64_t N = residual.size(0), H = residual.size(1);
-  at::Tensor out = at::empty({N, H}, weight.options());
   float* rp = residual.data_ptr<float>();
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const bool has_x = x.has_value();
+  const bool has_x = x.has_value(), x_float = has_x && x->scalar_type() == at::kFloat;
+  const void* xp = has_x ? x->data_ptr() : nullptr;
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(H);
     for (int64_t n = begin; n < end; ++n) {
       float* r = rp + n * H;
-      if (has_x) add_row(r, *x, n, H);
+      if (x_float) add_row(r, static_cast<const float*>(xp) + n * H, H);
+      else if (has_x) add_row(r, static_cast<const BFloat16*>(xp) + n * H, H);
       const float inv = 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
       int64_t i = 0;
       for (; i + W <= H; i += W) {  // the tail's roundings, W lanes at a time
@@ -72,11 +72,12 @@ at::Tensor add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tenso
       store_floats(tmp.data() + (H / W) * W, op + n * H + (H / W) * W, H - (H / W) * W);
     }
   });
-  return out;
 }
 
-at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
-                        double eps) {
+}  // namespace
+
+void tollway_native::add_rms_norm_out(at::Tensor& residual, const std::optional<at::Tensor>& x,
+                                      const at::Tensor& weight, double eps, at::Tensor& out) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "add_rms_norm: the residual must be a contiguous fp32 [N, H]");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == residual.size(1), "add_rms_norm: weight must be [H]");
@@ -85,9 +86,21 @@ at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x,
                     (x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16),
                 "add_rms_norm: x must be a contiguous fp32/bf16 tensor shaped as the residual");
   }
-  if (weight.scalar_type() == at::kFloat) return add_rms_norm_impl<float>(residual, x, weight, eps);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "add_rms_norm: fp32 or bf16 weight only");
-  return add_rms_norm_impl<BFloat16>(residual, x, weight, eps);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "add_rms_norm: fp32 or bf16 weight only");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == residual.sizes() && out.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: the output must be a contiguous [N, H] in the weight's dtype");
+  if (weight.scalar_type() == at::kFloat) return add_rms_norm_impl<float>(residual, x, weight, eps, out);
+  add_rms_norm_impl<BFloat16>(residual, x, weight, eps, out);
+}
+
+namespace {
+
+at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x, const at::Tensor& weight,
+                        double eps) {
+  at::Tensor out = at::empty(residual.sizes(), weight.options());
+  tollway_native::add_rms_norm_out(residual, x, weight, eps, out);
+  return out;
 }
 
 // ---- rotary + K/V store ---------------------------------------------------------------------
@@ -150,8 +163,11 @@ void rotary_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
   });
 }
 
-void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                  const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads) {
+}  // namespace
+
+void tollway_native::rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                                  at::Tensor v_cache, const at::Tensor& slots, int64_t num_q_heads,
+                                  int64_t num_kv_heads) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "rotary_store: caches must be contiguous and alike");
   const int64_t D = k_cache.scalar_type() == at::kChar ? int8_head_dim(k_cache.size(3)) : k_cache.size(3);
@@ -186,14 +202,15 @@ void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, 
   rotary_store_impl<BFloat16, BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_q_heads, num_kv_heads, D);
 }
 
+namespace {
+
 // ---- SiLU(gate) * up ------------------------------------------------------------------------
 // gate_up [N, 2I] (gate first) -> [N, I]; silu rounded to the dtype before the product, as eager. In bf16 the
 // exponential is exp_u20 (relative error ~1e-6, far below bf16's 2^-9: a rounding may land one step away from
 // eager's, rarely): Sleef's exp was most of the op, ~1 ms of a batch-32 step on a 2-core AVX512 host.
 template <typename T>
-at::Tensor silu_mul_impl(const at::Tensor& gate_up) {
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({N, I}, gate_up.options());
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   constexpr int64_t kChunk = 256;
@@ -225,15 +242,29 @@ at::Tensor silu_mul_impl(const at::Tensor& gate_up) {
       store_floats(g + done, o + done, m - done);
     }
   });
-  return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+}  // namespace
+
+void tollway_native::silu_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be a contiguous [N, 2I]");
-  if (gate_up.scalar_type() == at::kFloat) return silu_mul_impl<float>(gate_up);
-  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: fp32 or bf16 only");
-  return silu_mul_impl<BFloat16>(gate_up);
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+              "silu_mul: fp32 or bf16 only");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
+                  out.size(1) == gate_up.size(1) / 2 && out.scalar_type() == gate_up.scalar_type(),
+              "silu_mul: the output must be a contiguous [N, I] in gate_up's dtype");
+  if (gate_up.scalar_type() == at::kFloat) return silu_mul_impl<float>(gate_up, out);
+  silu_mul_impl<BFloat16>(gate_up, out);
+}
+
+namespace {
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2, "silu_mul: gate_up must be a contiguous [N, 2I]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  tollway_native::silu_mul_out(gate_up, out);
+  return out;
 }
 
 }  // namespace
@@ -247,6 +278,6 @@ TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary_store", &rotary_store);
+  m.impl("rotary_store", &tollway_native::rotary_store);
   m.impl("silu_mul", &silu_mul);
 }

@@ -5,8 +5,12 @@
 // The same ops, in the same order and with the same arguments, as the Python loop of
 // workers/models/fused_decode.py (`_layers` with paged_decode attention): per layer the four projections,
 // rotary_store, paged_decode, two add_rms_norm and silu_mul. Called one by one from Python, those ~270 ops
-// cost microseconds each of argument parsing and glue; here they go through the dispatcher from C++ (ours
-// typed, the projections boxed). One int4 stream on 2 cores decoded 25% faster (ops/bench/RESULTS.md).
+// cost microseconds each of argument parsing and glue; here they are C++ calls (one int4 stream on 2 cores
+// decoded 25% faster, ops/bench/RESULTS.md). Our ops and few_rows_linear's projections are called straight
+// (step_ops.h), each writing into one buffer per role that every layer reuses; until 2026-11-28 they went
+// through torch's dispatcher, each allocating its output (~270 a step: a bf16 batch-32 step on a 2-core Zen 4
+// ran ~0.3 ms slower that way, per-step alternations). The projections of other kinds still go boxed through
+// the dispatcher (`project`).
 //
 // The plan (built once per model in workers/models/layer_plan.py) is flat lists with a fixed stride per
 // layer, so no Python object crosses per layer:
@@ -16,10 +20,13 @@
 //   floats:  kFloatsPerLayer per layer: the attention scale, the input norm's eps, the post-attention norm's eps.
 // A projection's kind (ProjectionKind below) says which op runs it. Both sides must agree on these layouts:
 // tests/unit/workers/test_layer_plan.py compares this op's step with the Python loop's for every kind.
+#include "step_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -103,6 +110,33 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
   return stack[0].toTensor();
 }
 
+// The step's intermediates, one buffer per role, allocated on first use and reused by every layer (an op's
+// output is read by the next op only, before the same role is written again).
+enum Role { kNormed, kQkv, kAttn, kO, kGateUp, kAct, kDown, kRoles };
+
+struct Scratch {
+  std::array<at::Tensor, kRoles> buffers;
+
+  at::Tensor& get(Role role, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    at::Tensor& buffer = buffers[role];
+    if (!buffer.defined() || buffer.sizes() != sizes || buffer.scalar_type() != options.dtype().toScalarType()) {
+      buffer = at::empty(sizes, options);
+    }
+    return buffer;
+  }
+};
+
+// A projection into its role's buffer where it runs on few_rows_linear (called straight); any other kind
+// through the dispatcher (`project`), into a fresh tensor.
+at::Tensor project_into(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, int64_t t0,
+                        c10::IntArrayRef ints, int64_t i0, Scratch& scratch, Role role) {
+  if (ints[i0] != kFewRows) return project(x, tensors, t0, ints, i0);
+  const at::Tensor weight = tensors.get(t0).value();
+  at::Tensor& y = scratch.get(role, {x.size(0), weight.size(0)}, x.options());
+  tollway_native::few_rows_linear_out(x, weight, tensors.get(t0 + 1), y);
+  return y;
+}
+
 void decode_layers(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
                    at::TensorList v_caches, const c10::List<std::optional<at::Tensor>>& tensors,
@@ -116,31 +150,35 @@ void decode_layers(at::Tensor residual, const at::Tensor& cos, const at::Tensor&
               "decode_layers: the plan's lists do not match the layer count");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "decode_layers: the residual must be a contiguous fp32 [N, H]");
-  static auto add_rms_norm = op("tollway_cpu::add_rms_norm")
-      .typed<at::Tensor(at::Tensor, const std::optional<at::Tensor>&, const at::Tensor&, double)>();
-  static auto rotary_store = op("tollway_cpu::rotary_store")
-      .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&,
-                  int64_t, int64_t)>();
-  static auto paged_decode = op("tollway_cpu::paged_decode")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        double, int64_t)>();
-  static auto silu_mul = op("tollway_cpu::silu_mul").typed<at::Tensor(const at::Tensor&)>();
+  using namespace tollway_native;
   const int64_t n = residual.size(0), q_size = num_q_heads * head_dim;
   auto norm_weight = [&](int64_t layer, int64_t which) { return tensors.get(layer * kTensorsPerLayer + which).value(); };
-  at::Tensor normed = add_rms_norm.call(residual, std::nullopt, norm_weight(0, 0), floats[1]);
+  Scratch scratch;
+  const at::Tensor first_norm = norm_weight(0, 0);
+  at::Tensor normed = scratch.get(kNormed, residual.sizes(), first_norm.options());
+  add_rms_norm_out(residual, std::nullopt, first_norm, floats[1], normed);
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t t = i * kTensorsPerLayer + 2, k = i * kIntsPerLayer + 1, f = i * kFloatsPerLayer;
-    at::Tensor qkv = project(normed, tensors, t, ints, k);
-    rotary_store.call(qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping, num_q_heads, num_kv_heads);
+    at::Tensor qkv = project_into(normed, tensors, t, ints, k, scratch, kQkv);
+    rotary_store(qkv, cos, sin, k_caches[i], v_caches[i], slot_mapping, num_q_heads, num_kv_heads);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_q_heads, head_dim});
-    const at::Tensor attn = paged_decode.call(q, k_caches[i], v_caches[i], block_tables, context_lens, floats[f],
-                                              ints[i * kIntsPerLayer]);
-    const at::Tensor o = project(attn.view({n, q_size}), tensors, t + kProjTensors, ints, k + kProjInts);
-    normed = add_rms_norm.call(residual, o, norm_weight(i, 1), floats[f + 2]);
-    const at::Tensor gate_up = project(normed, tensors, t + 2 * kProjTensors, ints, k + 2 * kProjInts);
-    const at::Tensor down = project(silu_mul.call(gate_up), tensors, t + 3 * kProjTensors, ints, k + 3 * kProjInts);
+    at::Tensor& attn = scratch.get(kAttn, {n, num_q_heads, head_dim}, q.options());
+    paged_decode_out(q, k_caches[i], v_caches[i], block_tables, context_lens, floats[f], ints[i * kIntsPerLayer],
+                     attn);
+    const at::Tensor o = project_into(attn.view({n, q_size}), tensors, t + kProjTensors, ints, k + kProjInts,
+                                      scratch, kO);
+    const at::Tensor post_norm = norm_weight(i, 1);
+    normed = scratch.get(kNormed, residual.sizes(), post_norm.options());
+    add_rms_norm_out(residual, o, post_norm, floats[f + 2], normed);
+    const at::Tensor gate_up = project_into(normed, tensors, t + 2 * kProjTensors, ints, k + 2 * kProjInts, scratch,
+                                            kGateUp);
+    at::Tensor& act = scratch.get(kAct, {n, gate_up.size(1) / 2}, gate_up.options());
+    silu_mul_out(gate_up, act);
+    const at::Tensor down = project_into(act, tensors, t + 3 * kProjTensors, ints, k + 3 * kProjInts, scratch, kDown);
     if (i + 1 < layers) {
-      normed = add_rms_norm.call(residual, down, norm_weight(i + 1, 0), floats[f + kFloatsPerLayer + 1]);
+      const at::Tensor next_norm = norm_weight(i + 1, 0);
+      normed = scratch.get(kNormed, residual.sizes(), next_norm.options());
+      add_rms_norm_out(residual, down, next_norm, floats[f + kFloatsPerLayer + 1], normed);
     } else {
       residual.add_(down.to(at::kFloat));
     }

@@ -50,6 +50,7 @@
 #include "paged_decode_bf16.h"
 #include "paged_prefill.h"
 #include "paged_prefill_bf16.h"
+#include "step_ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -273,9 +274,11 @@ void paged_decode_dispatch_dim(const at::Tensor& q, const at::Tensor& k, const a
   }
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                        int64_t window) {
+}  // namespace
+
+void tollway_native::paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                      int64_t window, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
               "paged_decode: head rows must be contiguous");
@@ -290,7 +293,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   q.size(1) / k_cache.size(2) <= kMaxGroup,
               "paged_decode: need head_dim equal (int8 rows: D + D / 8) and at most 8 query heads per KV head");
   TORCH_CHECK(block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0), "paged_decode: batch mismatch");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: the output must be a contiguous tensor shaped as q, in q's dtype");
   const at::ScalarType cache = k_cache.scalar_type();
   if (int8_cache && q.scalar_type() == at::kFloat) {
     paged_decode_dispatch_dim<float, int8_t>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
@@ -305,6 +309,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   } else {
     paged_decode_dispatch_dim<BFloat16, BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   }
+}
+
+namespace {
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        int64_t window) {
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  tollway_native::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   return out;
 }
 

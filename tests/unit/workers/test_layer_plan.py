@@ -80,13 +80,16 @@ CASES = pytest.mark.parametrize(
         (torch.float32, "none", "int8", None, "many"),  # fp32 packed past its few rows: F.linear
         (torch.bfloat16, "none", "int8", None, True),  # oneDNN's packed bf16, where this CPU has it
         (torch.bfloat16, "none", "int8", None, "bf16-few"),  # bf16 few_rows_linear, where this CPU has it
+        # 20 and 36 rows: its column tiles, into the step's reused buffers (layer_stack.cpp)
+        (torch.bfloat16, "none", "int8", None, "bf16-tiles"),
         (torch.float32, "none", "int8", 12, False),  # a sliding window shorter than most contexts
         (torch.float32, "int4", "int8", None, False),  # int4_matmul_q8
         (torch.bfloat16, "int4", "float", None, False),  # int4_matmul
         (torch.float32, "int8", "int8", None, False),  # int8_matmul_q8
         (torch.bfloat16, "int8", "float", None, False),  # int8_matmul
     ],
-    ids=["linear", "few-rows", "many-rows", "mkldnn", "bf16-few-rows", "window", "int4-q8", "int4", "int8-q8", "int8"],
+    ids=["linear", "few-rows", "many-rows", "mkldnn", "bf16-few-rows", "bf16-tiles", "window", "int4-q8", "int4",
+         "int8-q8", "int8"],
 )
 
 
@@ -95,19 +98,21 @@ def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantiz
                                      window: int | None, pack: bool | str, monkeypatch: pytest.MonkeyPatch) -> None:
     if pack == "many":  # the step's 5 rows are past the limit
         monkeypatch.setattr(packed_linear, "FEW_ROWS_MAX_ROWS", 4)
-    if pack == "bf16-few":  # the step's 5 rows on the bf16 kernel (1-4 and 16-48 in use)
+    if pack in ("bf16-few", "bf16-tiles"):  # the step's rows on the bf16 kernel (1-4 and 16-48 in use)
         monkeypatch.setattr(packed_linear, "BF16_FEW_ROWS", frozenset(range(1, 49)))
         monkeypatch.setattr(packed_linear, "BF16_FEW_ROWS_HEAD", frozenset(range(1, 49)))
     model = model_for(tmp_path, dtype, quantization, activations, window)
     if pack:  # bf16 packing needs AVX512-BF16 or AMX: elsewhere the layers stay nn.Linear, still compared
         assert pack_linears(model) == (packing_kind(dtype) is not None)
-    if pack == "bf16-few" and packed_linear.bf16_few_rows_available():
-        plan = plan_for(model, 5)
-        assert plan is not None and set(projection_kinds(plan)) == {2}  # few_rows_linear, not oneDNN
-    (plan_hidden, plan_kv), (loop_hidden, loop_kv) = both_ways(model)
-    assert torch.equal(plan_hidden, loop_hidden)
-    for a, b in zip(plan_kv, loop_kv, strict=True):
-        assert torch.equal(a, b)
+    batches = [(3, 17, 40, 9, 30) * 4, (3, 17, 40, 9, 30, 11) * 6] if pack == "bf16-tiles" else [(3, 17, 40, 9, 30)]
+    for lengths in batches:
+        if str(pack).startswith("bf16-") and packed_linear.bf16_few_rows_available():
+            plan = plan_for(model, len(lengths))
+            assert plan is not None and set(projection_kinds(plan)) == {2}  # few_rows_linear, not oneDNN
+        (plan_hidden, plan_kv), (loop_hidden, loop_kv) = both_ways(model, lengths)
+        assert torch.equal(plan_hidden, loop_hidden)
+        for a, b in zip(plan_kv, loop_kv, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_no_plan_where_a_projection_dequantizes_and_a_new_plan_after_packing(tmp_path: Path,
