@@ -19,6 +19,7 @@ from torch import nn
 
 from cache.kv_layout import KVLayout
 from cache.kv_storage import KVStorage
+from kernels.cpu import native
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from workers.models import fused_decode
@@ -61,6 +62,13 @@ class RMSNorm(nn.Module):
     def weigh(self, unit: torch.Tensor) -> torch.Tensor:
         """The weight times `unit` rounded to the weight's dtype: forward's result."""
         return self.weight * unit.to(self.weight.dtype)
+
+
+def native_final_norm(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `LlamaForCausalLM.logits` takes its final norm's two outputs from the native op: fp32 hidden
+    states on a CPU whose native ops are loaded, an fp32 or bf16 weight."""
+    return (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and hidden.dim() == 2
+            and hidden.is_contiguous() and weight.dtype in native.DTYPES and native.is_loaded())
 
 
 class DecoderLayer(nn.Module):
@@ -212,12 +220,16 @@ class LlamaForCausalLM(nn.Module):
         The same refinement makes a quantized model's int8 head (workers/models/quantized_head.py)
         exact where it matters, in fp32 too.
         """
-        unit = self.norm.unit(hidden)  # shared by the head's input and the exact rows below
-        normed = self.norm.weigh(unit)
+        if native_final_norm(hidden, self.norm.weight):  # both in one native pass (layer_ops.cpp rms_norm_pair)
+            normed, exact_normed = torch.ops.tollway_cpu.rms_norm_pair(hidden, self.norm.weight, self.norm.eps)
+        else:
+            unit = self.norm.unit(hidden)  # shared by the head's input and the exact rows below
+            normed, exact_normed = self.norm.weigh(unit), None
         logits = self.lm_head(normed)
         if self.dtype == torch.float32 and not head_approximates(self.lm_head, normed.shape[0]):
             return logits.float()
-        exact_normed = unit * self.norm.weight.float()
+        if exact_normed is None:
+            exact_normed = unit * self.norm.weight.float()
         return refine_top(logits, self.lm_head.weight, exact_normed)  # workers/models/logits_refine.py
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -64,6 +64,10 @@ def register_fakes() -> None:
     def _refine_top_logits(logits, weight, normed, k):  # type: ignore[no-untyped-def]
         return logits.new_empty(logits.shape, dtype=torch.float32)
 
+    @torch.library.register_fake(f"{lib}::rms_norm_pair")
+    def _rms_norm_pair(hidden, weight, eps):  # type: ignore[no-untyped-def]
+        return hidden.new_empty(hidden.shape, dtype=weight.dtype), hidden.new_empty(hidden.shape)
+
     @torch.library.register_fake(f"{lib}::row_argmax")
     def _row_argmax(logits):  # type: ignore[no-untyped-def]
         return logits.new_empty(logits.shape[0], dtype=torch.long)

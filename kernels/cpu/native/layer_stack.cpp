@@ -180,7 +180,7 @@ void decode_layers(at::Tensor residual, const at::Tensor& cos, const at::Tensor&
       normed = scratch.get(kNormed, residual.sizes(), next_norm.options());
       add_rms_norm_out(residual, down, next_norm, floats[f + kFloatsPerLayer + 1], normed);
     } else {
-      residual.add_(down.to(at::kFloat));
+      add_residual(residual, down);
     }
   }
 }

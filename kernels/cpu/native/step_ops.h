@@ -13,6 +13,8 @@ namespace tollway_native {
 // layer_ops.cpp: residual [N, H] fp32 += x (if any); out [N, H] = weight * rms_norm(residual), weight's dtype.
 void add_rms_norm_out(at::Tensor& residual, const std::optional<at::Tensor>& x, const at::Tensor& weight, double eps,
                       at::Tensor& out);
+// layer_ops.cpp: residual [N, H] fp32 += x (fp32 or bf16, its shape).
+void add_residual(at::Tensor& residual, const at::Tensor& x);
 // layer_ops.cpp: q and k of qkv rotated in place, k and v written at their slots (the rotary_store op).
 void rotary_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                   at::Tensor v_cache, const at::Tensor& slots, int64_t num_q_heads, int64_t num_kv_heads);

@@ -1,6 +1,7 @@
 """The native logits refinement (`refine_top_logits`, kernels/cpu/native/head_ops.cpp) against its
 definition and against the torch path of workers/models/logits_refine.py; the native greedy choice
-(`row_argmax`) against torch's `max`.
+(`row_argmax`) against torch's `max`; the final norm's two outputs in one pass (`rms_norm_pair`,
+layer_ops.cpp) against the torch ops of `LlamaForCausalLM.logits`.
 
 Needs the library built on this machine, as tests/unit/kernels/test_native.py (skipped locally without
 a compiler, failing under TOLLWAY_REQUIRE_SERVICES=1).
@@ -116,3 +117,25 @@ def test_rejects_mismatched_shapes() -> None:
         torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed[:, :16].contiguous(), 8)
     with pytest.raises(RuntimeError, match="k must be"):
         torch.ops.tollway_cpu.refine_top_logits(logits, weight, normed, 101)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(32, 576), (5, 64), (3, 40)])  # 40: a tail past whole vectors
+def test_rms_norm_pair_matches_the_torch_ops(weight_dtype: torch.dtype, rows: int, hidden: int) -> None:
+    from workers.models.llama import RMSNorm
+
+    generator = torch.Generator().manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, eps=1e-5).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(hidden, generator=generator) / 4)
+    x = 3 * torch.randn(rows, hidden, generator=generator)
+    normed, exact = torch.ops.tollway_cpu.rms_norm_pair(x, norm.weight, norm.eps)
+    unit = norm.unit(x)
+    want_normed, want_exact = norm.weigh(unit), unit * norm.weight.float()
+    assert normed.dtype == weight_dtype and exact.dtype == torch.float32
+    # the sum of squares in another order: fp32's last bits, and where that moves a bf16 rounding, one bf16 step
+    torch.testing.assert_close(exact, want_exact, rtol=1e-6, atol=1e-6)
+    step = 2.0**-7 if weight_dtype == torch.bfloat16 else 1e-6
+    assert ((normed.float() - want_normed.float()).abs() <= step * want_normed.float().abs() + 1e-6).all()
+    if weight_dtype == torch.bfloat16:
+        assert (normed == want_normed).float().mean().item() > 0.99
