@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         The same refinement makes a quantized model's int8 head (workers/models/quantized_head.py)
         exact where it matters, in fp32 too.
         """
-        if native_final_norm(hidden, self.norm.weight):  # both in one native pass (layer_ops.cpp rms_norm_pair)
+        if native_final_norm(hidden, self.norm.weight):  # both in one native pass (head_ops.cpp rms_norm_pair)
             normed, exact_normed = torch.ops.tollway_cpu.rms_norm_pair(hidden, self.norm.weight, self.norm.eps)
         else:
             unit = self.norm.unit(hidden)  # shared by the head's input and the exact rows below

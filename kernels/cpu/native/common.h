@@ -256,6 +256,23 @@ inline void store_vec(const Vec& x, T* dst) {
   }
 }
 
+// The sum of squares of a row of H floats: 2W lanes of partial sums, then their reduction (one fixed order per
+// row, whatever the batch). It used to be one sequential chain per row, 8 rows interleaved to hide the adds'
+// latency: ~2.6 cycles a value, the op 11 us at batch 32 on 2 threads, 60 calls a step.
+inline float sum_of_squares(const float* r, int64_t H) {
+  Vec a(0.f), b(0.f);
+  int64_t i = 0;
+  for (; i + 2 * W <= H; i += 2 * W) {
+    const Vec x = Vec::loadu(r + i), y = Vec::loadu(r + i + W);
+    a = at::vec::fmadd(x, x, a);
+    b = at::vec::fmadd(y, y, b);
+  }
+  for (; i + W <= H; i += W) a = at::vec::fmadd(Vec::loadu(r + i), Vec::loadu(r + i), a);
+  float sum = reduce_add(a + b);
+  for (; i < H; ++i) sum += r[i] * r[i];
+  return sum;
+}
+
 // The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
 // dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per 16 values) under either.
 inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {

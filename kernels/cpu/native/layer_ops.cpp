@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -18,23 +17,6 @@ namespace {
 using namespace tollway_native;
 
 // ---- residual add + RMSNorm -----------------------------------------------------------------
-// The sum of squares of a row of H floats: 2W lanes of partial sums, then their reduction (one fixed order per
-// row, whatever the batch). It used to be one sequential chain per row, 8 rows interleaved to hide the adds'
-// latency: ~2.6 cycles a value, the op 11 us at batch 32 on 2 threads, 60 calls a step.
-inline float sum_of_squares(const float* r, int64_t H) {
-  Vec a(0.f), b(0.f);
-  int64_t i = 0;
-  for (; i + 2 * W <= H; i += 2 * W) {
-    const Vec x = Vec::loadu(r + i), y = Vec::loadu(r + i + W);
-    a = at::vec::fmadd(x, x, a);
-    b = at::vec::fmadd(y, y, b);
-  }
-  for (; i + W <= H; i += W) a = at::vec::fmadd(Vec::loadu(r + i), Vec::loadu(r + i), a);
-  float sum = reduce_add(a + b);
-  for (; i < H; ++i) sum += r[i] * r[i];
-  return sum;
-}
-
 // A row of H floats at r += the row of H values at x (fp32 or bf16).
 inline void add_row(float* r, const float* x, int64_t H) {
   for (int64_t i = 0; i < H; ++i) r[i] += x[i];
@@ -44,6 +26,12 @@ inline void add_row(float* r, const BFloat16* x, int64_t H) {
   int64_t i = 0;
   for (; i + W <= H; i += W) (Vec::loadu(r + i) + load_vec(x + i)).store(r + i);
   for (; i < H; ++i) r[i] += static_cast<float>(x[i]);
+}
+
+// The same for row n of an [N, H] x whose data is at xp: fp32 where x_float, else bf16.
+inline void add_row(float* r, const void* xp, bool x_float, int64_t n, int64_t H) {
+  if (x_float) add_row(r, static_cast<const float*>(xp) + n * H, H);
+  else add_row(r, static_cast<const BFloat16*>(xp) + n * H, H);
 }
 
 // residual [N, H] fp32 += x (any of fp32/bf16, optional); out = weight * rms_norm(residual) in the
@@ -62,8 +50,7 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
     std::vector<float> tmp(H);
     for (int64_t n = begin; n < end; ++n) {
       float* r = rp + n * H;
-      if (x_float) add_row(r, static_cast<const float*>(xp) + n * H, H);
-      else if (has_x) add_row(r, static_cast<const BFloat16*>(xp) + n * H, H);
+      if (has_x) add_row(r, xp, x_float, n, H);
       const float inv = 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
       int64_t i = 0;
       for (; i + W <= H; i += W) {  // the tail's roundings, W lanes at a time
@@ -87,10 +74,7 @@ void tollway_native::add_residual(at::Tensor& residual, const at::Tensor& x) {
   const bool x_float = x.scalar_type() == at::kFloat;
   const void* xp = x.data_ptr();
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      if (x_float) add_row(rp + n * H, static_cast<const float*>(xp) + n * H, H);
-      else add_row(rp + n * H, static_cast<const BFloat16*>(xp) + n * H, H);
-    }
+    for (int64_t n = begin; n < end; ++n) add_row(rp + n * H, xp, x_float, n, H);
   });
 }
 
@@ -119,55 +103,6 @@ at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& x,
   at::Tensor out = at::empty(residual.sizes(), weight.options());
   tollway_native::add_rms_norm_out(residual, x, weight, eps, out);
   return out;
-}
-
-// ---- the final norm before the LM head -------------------------------------------------------
-// hidden [N, H] fp32 -> (normed, exact): normed = weight * unit rounded to the weight's dtype (the head's input,
-// as `weight * unit.to(weight.dtype)`), exact = unit * weight in fp32 (the refined logits' input,
-// workers/models/logits_refine.py), unit = hidden / rms(hidden) in fp32. In torch ops (F.rms_norm, two
-// multiplies and their casts) this took ~0.45 ms of a bf16 batch-32 decode step on a 2-core Zen 4, one thread
-// working; unit's sum of squares runs in another order than F.rms_norm's, so the two differ in fp32's last bits.
-template <typename T>
-void rms_norm_pair_impl(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::Tensor& normed,
-                        at::Tensor& exact) {
-  const int64_t N = hidden.size(0), H = hidden.size(1);
-  const float* hp = hidden.data_ptr<float>();
-  const T* wp = weight.data_ptr<T>();
-  T* np = normed.data_ptr<T>();
-  float* ep = exact.data_ptr<float>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* r = hp + n * H;
-      const float inv = 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
-      int64_t i = 0;
-      for (; i + W <= H; i += W) {  // the scalar loop below, W lanes at a time (the same roundings)
-        const Vec unit = Vec::loadu(r + i) * Vec(inv), w = load_vec(wp + i);
-        store_vec(w * round_vec<T>(unit), np + n * H + i);
-        (unit * w).store(ep + n * H + i);
-      }
-      for (; i < H; ++i) {
-        const float unit = r[i] * inv, w = static_cast<float>(wp[i]);
-        np[n * H + i] = T(w * round_to<T>(unit));
-        ep[n * H + i] = unit * w;
-      }
-    }
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_pair(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat,
-              "rms_norm_pair: hidden must be a contiguous fp32 [N, H]");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden.size(1) &&
-                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "rms_norm_pair: weight must be an fp32 or bf16 [H]");
-  at::Tensor normed = at::empty(hidden.sizes(), weight.options());
-  at::Tensor exact = at::empty(hidden.sizes(), hidden.options());
-  if (weight.scalar_type() == at::kFloat) {
-    rms_norm_pair_impl<float>(hidden, weight, eps, normed, exact);
-  } else {
-    rms_norm_pair_impl<BFloat16>(hidden, weight, eps, normed, exact);
-  }
-  return {normed, exact};
 }
 
 // ---- rotary + K/V store ---------------------------------------------------------------------
@@ -341,12 +276,10 @@ TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
   m.def("rotary_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slots, int num_q_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("rms_norm_pair(Tensor hidden, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_store", &tollway_native::rotary_store);
   m.impl("silu_mul", &silu_mul);
-  m.impl("rms_norm_pair", &rms_norm_pair);
 }

@@ -47,34 +47,39 @@ def test_an_installed_package_ships_every_source_and_header() -> None:
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns), path.name
 
 
-def test_sources_compile_separately_and_link_into_one_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+def sources_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, texts: dict[str, str]) -> None:
+    """The build compiles these small sources instead of the library's (no vector flags)."""
     try:
         build.compiler()
     except build.BuildError as exc:
         unavailable(str(exc))
-    one, two = tmp_path / "one.cpp", tmp_path / "two.cpp"
-    one.write_text('extern "C" int tollway_one() { return 1; }\n')
-    two.write_text('extern "C" int tollway_one();\n'  # the build hides symbols by default (-fvisibility=hidden)
-                   'extern "C" __attribute__((visibility("default"))) int tollway_two() { return tollway_one() + 1; }\n')
-    monkeypatch.setattr(build, "SOURCES", (one, two))
+    sources = []
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+        sources.append(tmp_path / name)
+    monkeypatch.setattr(build, "SOURCES", tuple(sources))
     monkeypatch.setattr(build, "vector_flags", lambda: [])
+
+
+def test_sources_compile_separately_and_link_into_one_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    sources_instead(tmp_path, monkeypatch, {
+        "one.cpp": 'extern "C" int tollway_one() { return 1; }\n',
+        # the build hides symbols by default (-fvisibility=hidden)
+        "two.cpp": 'extern "C" int tollway_one();\n'
+                   'extern "C" __attribute__((visibility("default"))) int tollway_two() { return tollway_one() + 1; }\n',
+    })
     output = tmp_path / "lib.so"
     build.compile_library(output)
-    import ctypes
     assert ctypes.CDLL(str(output)).tollway_two() == 2
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith("objects-")] == []  # scratch removed
 
 
 def test_a_failing_source_is_named_in_the_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    try:
-        build.compiler()
-    except build.BuildError as exc:
-        unavailable(str(exc))
-    good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
-    good.write_text("int tollway_good() { return 1; }\n")
-    bad.write_text("#error this source is broken on purpose\n")
-    monkeypatch.setattr(build, "SOURCES", (good, bad))
-    monkeypatch.setattr(build, "vector_flags", lambda: [])
+    sources_instead(tmp_path, monkeypatch, {"good.cpp": "int tollway_good() { return 1; }\n",
+                                            "bad.cpp": "#error this source is broken on purpose\n"})
     with pytest.raises(build.BuildError, match=r"compiling bad\.cpp failed:(.|\n)*broken on purpose"):
         build.compile_library(tmp_path / "lib.so")
     assert not (tmp_path / "lib.so").exists()

@@ -1,7 +1,7 @@
 """The native logits refinement (`refine_top_logits`, kernels/cpu/native/head_ops.cpp) against its
 definition and against the torch path of workers/models/logits_refine.py; the native greedy choice
 (`row_argmax`) against torch's `max`; the final norm's two outputs in one pass (`rms_norm_pair`,
-layer_ops.cpp) against the torch ops of `LlamaForCausalLM.logits`.
+head_ops.cpp) against the torch ops of `LlamaForCausalLM.logits`.
 
 Needs the library built on this machine, as tests/unit/kernels/test_native.py (skipped locally without
 a compiler, failing under TOLLWAY_REQUIRE_SERVICES=1).
