@@ -114,7 +114,7 @@ namespace {
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "few_rows_linear: x [M, K] and weight [N, K] expected, got ",
               x.sizes(), " and ", weight.sizes());
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   tollway_native::few_rows_linear_out(x, weight, bias, y);
   return y;
 }

@@ -227,26 +227,21 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
   LongestFirst tasks(count * Hkv, [&](int64_t task) { return geo.lens[singles[task / Hkv]]; }, unit);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(kHeadsPerPass * L);
-    std::vector<int64_t> rows(L), next_rows(L);  // element offset of each context token's row for this head
+    ClaimedRows claimed(L);  // element offset of each context token's row for this head, this task's and the next's
     std::vector<BFloat16> probs16(std::is_same_v<C, BFloat16> ? kHeadsPerPass * L : 0);
-    int64_t fetched = -1;  // the task whose rows next_rows holds
-    // The rows of task `task` (b, h) into next_rows: n of them.
-    auto task_rows = [&](int64_t task) {
+    // The rows of task `task` (b, h) into `into`: n of them.
+    auto task_rows = [&](int64_t task, int64_t* into) {
       const int64_t b = singles[task / Hkv], start = geo.start(b, window), n = geo.lens[b] - start;
-      geo.fill_rows(b, task % Hkv, start, n, next_rows.data());
-      fetched = task;
+      geo.fill_rows(b, task % Hkv, start, n, into);
       return n;
     };
-    int64_t next_n = 0;
     tasks.run_claimed([&](int64_t task, int64_t next) {
       const int64_t b = singles[task / Hkv], h = task % Hkv;
-      const int64_t n = fetched == task ? next_n : task_rows(task);
-      rows.swap(next_rows);
-      next_n = next >= 0 ? task_rows(next) : 0;
+      const int64_t n = claimed.advance(task, next, task_rows), next_n = claimed.next_n;
       for (int64_t g0 = 0; g0 < G; g0 += kHeadsPerPass) {
         // The last pass's V sum fetches the next task's K rows; the one before it (not the first pass) its V rows.
         const bool last = g0 + kHeadsPerPass >= G, second_last = !last && g0 > 0 && g0 + 2 * kHeadsPerPass >= G;
-        const TaskRows<C> t{kp, vp, rows.data(), n, scores.data(), L, g0 == 0, next_rows.data(),
+        const TaskRows<C> t{kp, vp, claimed.rows.data(), n, scores.data(), L, g0 == 0, claimed.next_rows.data(),
                             last || second_last ? next_n : 0, probs16.data(), second_last};
         switch (std::min(kHeadsPerPass, G - g0)) {
           case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
@@ -316,7 +311,7 @@ namespace {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                         int64_t window) {
-  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty(q.sizes(), q.options());
   tollway_native::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
   return out;
 }

@@ -170,4 +170,24 @@ class LongestFirst {
   std::atomic<int64_t> next_{0};
 };
 
+// A thread's rows for the task it runs and for the task it claimed next (LongestFirst::run_claimed): the next
+// task's rows are filled before the current one runs, so its passes can prefetch them, then swapped in.
+struct ClaimedRows {
+  std::vector<int64_t> rows, next_rows;
+  int64_t next_n = 0, fetched = -1;  // next_rows holds task `fetched`'s next_n rows
+
+  explicit ClaimedRows(int64_t L) : rows(L), next_rows(L) {}
+
+  // Before running `task` (followed by `next`; -1: none): rows gets task's rows, next_rows next's.
+  // fill(task, into) writes a task's rows and returns their count. Returns task's count.
+  template <typename Fill>
+  int64_t advance(int64_t task, int64_t next, Fill fill) {
+    const int64_t n = fetched == task ? next_n : fill(task, next_rows.data());
+    rows.swap(next_rows);
+    next_n = next >= 0 ? fill(next, next_rows.data()) : 0;
+    fetched = next;
+    return n;
+  }
+};
+
 }  // namespace tollway_native

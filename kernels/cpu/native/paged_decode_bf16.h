@@ -198,22 +198,17 @@ bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& b
   LongestFirst tasks(count, [&](int64_t i) { return geo.lens[batch_rows[i]]; });
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(Hkv * G * L);
-    std::vector<int64_t> rows(L), next_rows(L);  // head 0's rows of this sequence and of the thread's next
+    ClaimedRows claimed(L);  // head 0's rows of this sequence and of the thread's next
     std::vector<BFloat16> probs16(G * L);
-    int64_t fetched = -1;  // the task whose rows next_rows holds
-    auto sequence_rows = [&](int64_t task) {
+    auto sequence_rows = [&](int64_t task, int64_t* into) {
       const int64_t b = batch_rows[task], start = geo.start(b, window), n = geo.lens[b] - start;
-      geo.fill_rows(b, 0, start, n, next_rows.data());
-      fetched = task;
+      geo.fill_rows(b, 0, start, n, into);
       return n;
     };
-    int64_t next_n = 0;
     tasks.run_claimed([&](int64_t task, int64_t next) {
-      const int64_t n = fetched == task ? next_n : sequence_rows(task), b = batch_rows[task];
-      rows.swap(next_rows);
-      next_n = next >= 0 ? sequence_rows(next) : 0;
-      const TaskRows<BFloat16> t{kp, vp, rows.data(), n, scores.data(), L, true, next_rows.data(), next_n,
-                                 probs16.data()};
+      const int64_t n = claimed.advance(task, next, sequence_rows), b = batch_rows[task];
+      const TaskRows<BFloat16> t{kp, vp, claimed.rows.data(), n, scores.data(), L, true, claimed.next_rows.data(),
+                                 claimed.next_n, probs16.data()};
       switch (G) {
         case 1: sequence_task<D, 1>(geo, qp, op, b, fscale, t); break;
         case 2: sequence_task<D, 2>(geo, qp, op, b, fscale, t); break;
