@@ -15,6 +15,10 @@ each backend's eager one, on the same engine: `cpu+compile` (the torch step, att
 gathered blocks of fixed-width tables) and `native+compile` (the fused native step traced whole, the
 C++ ops opaque to inductor); their first step compiles the batch's bucket, whose time is printed.
 
+The native backend's line is followed by the step's attention alone (`paged_decode` of every layer over the
+engine's own cache and block tables, timed after the matmuls, as cold as the step finds its K/V) and what is
+left of the step: its small ops, the logits tail and the host's Python between them.
+
 Each run also prints a floor: the step could not cost less than its matmuls plus reading the batch's K/V
 once (every layer's rows of every sequence, in the cache's dtype) at the bandwidth `torch.sum` streams a
 buffer of that size with on this machine, timed in the same run. Where the floor itself is above the
@@ -71,6 +75,32 @@ def time_matmuls(model: LlamaForCausalLM, batch: int) -> float:
     return time.perf_counter() - start
 
 
+@torch.inference_mode()
+def time_attention(engine: Engine) -> float:
+    """Seconds the step's attention alone takes: `paged_decode` of every layer over the engine's own cache and
+    its sequences' block tables (as the native step calls it, each sequence's newest token attending), on a
+    random q. Timed after `time_matmuls`, whose weight stream leaves the K/V as cold as the step finds them."""
+    model, kv = engine.runner.model, engine.runner.kv
+    c = model.config
+    seqs = list(engine.sequences.values())
+    tables = [s.block_table.groups[0] for s in seqs if s.block_table is not None]
+    width = max(len(t.block_ids) for t in tables)
+    block_tables = torch.tensor([[max(b, 0) for b in t.block_ids] + [0] * (width - len(t.block_ids)) for t in tables],
+                                dtype=torch.int32)
+    # the tokens whose K/V the cache holds: between steps a sequence's newest token has neither K/V nor, where it
+    # starts a block, a block yet (the next step's schedule appends it)
+    context_lens = torch.tensor([s.computed_len for s in seqs], dtype=torch.int32)
+    if any(s.computed_len > len(t.block_ids) * kv.block_size for s, t in zip(seqs, tables, strict=True)):
+        raise RuntimeError("a sequence's block table does not cover its computed tokens")
+    q = torch.randn(len(seqs), c.num_q_heads, c.head_dim, dtype=model.dtype)
+    scale = c.head_dim**-0.5
+    windows = [getattr(layer, "sliding_window", None) or 0 for layer in model.layers]
+    start = time.perf_counter()
+    for keys, values, window in zip(kv.keys, kv.values, windows, strict=True):
+        torch.ops.tollway_cpu.paged_decode(q, keys, values, block_tables, context_lens, scale, window)
+    return time.perf_counter() - start
+
+
 def kv_bytes_read(engine: Engine) -> int:
     """Bytes of K/V one decode step's attention reads: each sequence's rows of every layer, once."""
     kv = engine.runner.kv  # per layer [blocks, block_size, kv_heads, row]: a token's K row and V row of each head
@@ -89,9 +119,10 @@ def time_stream(num_bytes: int, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def measure(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
-    """Median decode step and median matmuls-alone time (seconds), one of each per step."""
-    step_times, matmul_times = [], []
+def measure(engine: Engine, batch: int, steps: int, attention: bool = False) -> tuple[float, float, float | None]:
+    """Median decode step, median matmuls-alone time and (with `attention`) median attention-alone time
+    (seconds), one of each per step."""
+    step_times, matmul_times, attention_times = [], [], []
     for _ in range(steps):
         if engine.num_running != batch or any(s.is_prefilling for s in engine.sequences.values()):
             raise RuntimeError("every sequence must decode in each measured step")
@@ -99,7 +130,10 @@ def measure(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
         engine.step()
         step_times.append(time.perf_counter() - start)
         matmul_times.append(time_matmuls(engine.runner.model, batch))
-    return statistics.median(step_times), statistics.median(matmul_times)
+        if attention:
+            attention_times.append(time_attention(engine))
+    return (statistics.median(step_times), statistics.median(matmul_times),
+            statistics.median(attention_times) if attention else None)
 
 
 def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, kv_cache_dtype: str,
@@ -128,19 +162,23 @@ def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, 
         pack_linears(loaded.model)
         engine.runner.backend = "native"
         engine.step()  # warm-up
-        results["native"] = measure(engine, batch, steps)
+        results["native"] = measure(engine, batch, steps, attention=True)
         if isinstance(compiled, CompiledDecode):
             native_compiled = CompiledDecode(loaded.model, engine.runner.kv, compiled.dummy_block, "native")
             results["native+compile"] = measure_compiled(engine, native_compiled, batch, steps, warm_buckets)
             compile_times["native+compile"] = native_compiled.compile_seconds
     else:
         print(f"native unavailable: {native.unavailable_reason()}")
-    for backend, (step, matmuls) in results.items():
+    for backend, (step, matmuls, attention) in results.items():
         print(f"{name:9} kv {cache:9} {backend:14} step {step * 1e3:7.1f} ms   matmuls alone {matmuls * 1e3:6.1f} ms   "
               f"ratio {step / matmuls:4.2f}x", flush=True)
+        if attention is not None:  # what of the step is neither: the small ops, the logits tail, the host's glue
+            rest = step - matmuls - attention
+            print(f"{name:9} kv {cache:9} {backend:14} attention alone {attention * 1e3:6.1f} ms "
+                  f"({attention / matmuls:4.2f}x the matmuls)   rest of the step {rest * 1e3:5.1f} ms", flush=True)
     kv_bytes = kv_bytes_read(engine)
     stream = time_stream(kv_bytes)
-    matmuls = min(m for _, m in results.values())
+    matmuls = min(m for _, m, _ in results.values())
     print(f"{name:9} kv {cache:9} floor: the K/V read ({kv_bytes / 2**20:.0f} MiB) streams in {stream * 1e3:.1f} ms "
           f"({kv_bytes / stream / 1e9:.1f} GB/s); matmuls {matmuls * 1e3:.1f} ms + that = "
           f"{(matmuls + stream) / matmuls:4.2f}x the matmuls", flush=True)
@@ -150,7 +188,7 @@ def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, 
 
 
 def measure_compiled(engine: Engine, compiled: CompiledDecode, batch: int, steps: int,
-                     warm_buckets: list[int]) -> tuple[float, float]:
+                     warm_buckets: list[int]) -> tuple[float, float, float | None]:
     """The step with `compiled` on: its first step compiles the batch's bucket (timed in
     compile_seconds), then `measure`; the other `warm_buckets` are compiled after, for their times."""
     engine.runner.graphs = compiled
