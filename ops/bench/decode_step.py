@@ -17,7 +17,8 @@ C++ ops opaque to inductor); their first step compiles the batch's bucket, whose
 
 The native backend's line is followed by the step's attention alone (`paged_decode` of every layer over the
 engine's own cache and block tables, timed after the matmuls, as cold as the step finds its K/V) and what is
-left of the step: its small ops, the logits tail and the host's Python between them.
+left of the step: its small ops, the logits tail and the host's Python between them (at a batch of a few rows the
+matmuls alone, ~120 module calls from Python, can cost more than the step's own, and the rest reads negative).
 
 Each run also prints a floor: the step could not cost less than its matmuls plus reading the batch's K/V
 once (every layer's rows of every sequence, in the cache's dtype) at the bandwidth `torch.sum` streams a

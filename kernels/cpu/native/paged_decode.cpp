@@ -23,7 +23,7 @@
 // 6.4-7.2 -> 5.3-5.7 ms. With enough sequences it runs a task per sequence over its every KV head
 // (sequence_task), whose score loop reads each token's whole record: the engine's bf16 decode step at batch
 // 32 x 380 went 1.59-1.63x -> 1.56-1.57x its matmuls on a 2-core EPYC (the op alone: contiguous ~8% faster,
-// scattered level).
+// scattered level). Not on every CPU: where bf16_decode_dots() (paged_decode.h) says so, the rows widen to fp32.
 //
 // Under an fp32 q (or a bf16 q over an int8 cache), rows that are one sequence's consecutive new tokens (a
 // prefill chunk sent as decode rows, workers/models/fused_decode.py) go as tiles (paged_prefill.h): per KV head,
@@ -153,7 +153,7 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
   bool scored = false;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-    if (bf16_dot_available()) {
+    if (bf16_decode_dots()) {
       scores_bf16<D, NG>(qp + geo.q_offset(b, first), geo.qs1, t);
       scored = true;
     }
@@ -171,7 +171,7 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
   bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-    if (bf16_dot_available()) {
+    if (bf16_decode_dots()) {
       value_sum_bf16<D, NG>(t, inv, acc);
       summed = true;
     }

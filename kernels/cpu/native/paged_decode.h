@@ -6,8 +6,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 namespace tollway_native {
 
@@ -19,6 +25,42 @@ constexpr int64_t kPrefetch = 16;  // tokens ahead whose K/V rows are prefetched
 constexpr int64_t kHeadsPerPass = 4, kRegisters = 32;
 #else
 constexpr int64_t kHeadsPerPass = 1, kRegisters = 16;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the CPU is an AMD one of family `family` or later (Zen 5 is family 26).
+inline bool amd_family_at_least(unsigned family) {
+#if defined(__x86_64__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4), std::memcpy(vendor + 4, &edx, 4), std::memcpy(vendor + 8, &ecx, 4);
+  if (std::strcmp(vendor, "AuthenticAMD") != 0 || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned base = (eax >> 8) & 0xf;
+  return (base == 0xf ? base + ((eax >> 20) & 0xff) : base) >= family;
+#else
+  return false;
+#endif
+}
+
+// Whether a bf16 q over a bf16 cache takes the decode rows' products on vdpbf16ps (paged_decode_bf16.h: the
+// scores two dims a lane, the V sum two tokens a lane with the probabilities rounded to bf16, a task per sequence)
+// rather than widening each row to fp32 (scores_float and value_sum, a task per KV head, as an fp32 q does).
+// vdpbf16ps halves the op's compute with its cache hot, but in the step the op waits on its K/V, and on a Zen 5
+// the fp32 products' pace kept more of it in flight: that bf16 step at batch 32 x 380 was 0.9-1.3 ms shorter
+// (~4%; per-step alternations in random order, ops/bench/RESULTS.md), so from AMD family 26 on the products
+// are fp32. Elsewhere (Zen 4, Intel) vdpbf16ps measured faster or level in the op alone and stays; the step's
+// A/B there is still to be run: TOLLWAY_DECODE_DOTS=bf16 or fp32 overrides the choice for a process.
+inline bool bf16_decode_dots() {
+  static const bool chosen = [] {
+    if (!bf16_dot_available()) return false;
+    const char* forced = std::getenv("TOLLWAY_DECODE_DOTS");
+    if (forced != nullptr && std::strcmp(forced, "bf16") == 0) return true;
+    if (forced != nullptr && std::strcmp(forced, "fp32") == 0) return false;
+    return !amd_family_at_least(26);
+  }();
+  return chosen;
+}
 #endif
 
 // Vectors of a V row summed per pass over the tokens for NG heads: NG accumulators per vector, NG

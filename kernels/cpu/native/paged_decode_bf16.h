@@ -192,7 +192,7 @@ template <int64_t D>
 bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& batch_rows, const BFloat16* qp,
                         const BFloat16* kp, const BFloat16* vp, BFloat16* op, float fscale, int64_t window) {
   const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L, count = static_cast<int64_t>(batch_rows.size());
-  if (!(bf16_dot_available() && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
+  if (!(bf16_decode_dots() && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
     return false;
   }
   LongestFirst tasks(count, [&](int64_t i) { return geo.lens[batch_rows[i]]; });

@@ -7,7 +7,11 @@ Tolerances as tests/unit/kernels/test_kernels.py: fp32 1e-5, bf16 2e-2.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +87,30 @@ def test_paged_decode_by_sequence_and_by_kv_head(lengths: list[int], threads: in
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, expected, **tolerance(torch.bfloat16))
+
+
+def check_bf16_decode_rows() -> None:
+    """Every bf16 case of CASES, and a batch by sequence and by KV head, against the reference (run in its own
+    process by the test below: the choice of products is made once a process)."""
+    native.load()
+    for group, head_dim, block_size, dtype in CASES:
+        if dtype == torch.bfloat16:
+            test_paged_decode_matches_reference(group, head_dim, block_size, dtype, None)
+    for threads in (1, 2):
+        test_paged_decode_by_sequence_and_by_kv_head([1, 2, 15, 16, 17, 77, 321], threads)
+
+
+@pytest.mark.parametrize("dots", ["bf16", "fp32"])
+def test_bf16_decode_rows_on_either_products(dots: str) -> None:
+    """A bf16 q over a bf16 cache takes its products on vdpbf16ps or widened to fp32, as the CPU decides
+    (paged_decode.h `bf16_decode_dots`): each, forced by TOLLWAY_DECODE_DOTS, gives the reference's attention,
+    whichever this machine picks by itself."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TOLLWAY_DECODE_DOTS": dots, "PYTHONPATH": str(root)}
+    code = "from tests.unit.kernels.test_native import check_bf16_decode_rows; check_bf16_decode_rows()"
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_paged_decode_reads_strided_queries() -> None:
