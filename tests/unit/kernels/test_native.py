@@ -75,8 +75,9 @@ def test_paged_decode_matches_reference(group: int, head_dim: int, block_size: i
 @pytest.mark.parametrize("lengths", [[1, 2, 15, 16, 17, 77, 321], [77, 321]])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_decode_by_sequence_and_by_kv_head(lengths: list[int], threads: int) -> None:
-    """A bf16 cache takes a task per sequence where there are at least two per thread (paged_decode_bf16.h),
-    else a task per KV head: both give the reference's attention."""
+    """A bf16 cache on vdpbf16ps products takes a task per sequence where there are at least two per thread
+    (paged_decode_bf16.h), else a task per KV head (as always with fp32 products, paged_decode.h
+    `bf16_decode_dots`): both give the reference's attention."""
     k_cache, v_cache, meta = paged_batch(lengths, 8, 3, 64, torch.bfloat16, seed=len(lengths) + threads)
     q = torch.randn(len(lengths), 9, 64).bfloat16()
     expected = reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125)
