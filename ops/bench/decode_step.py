@@ -84,7 +84,10 @@ def time_attention(engine: Engine) -> float:
     model, kv = engine.runner.model, engine.runner.kv
     c = model.config
     seqs = list(engine.sequences.values())
-    tables = [s.block_table.groups[0] for s in seqs if s.block_table is not None]
+    tables = []
+    for s in seqs:
+        assert s.block_table is not None  # every sequence decodes: each holds blocks
+        tables.append(s.block_table.groups[0])
     width = max(len(t.block_ids) for t in tables)
     block_tables = torch.tensor([[max(b, 0) for b in t.block_ids] + [0] * (width - len(t.block_ids)) for t in tables],
                                 dtype=torch.int32)

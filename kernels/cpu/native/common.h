@@ -273,6 +273,11 @@ inline float sum_of_squares(const float* r, int64_t H) {
   return sum;
 }
 
+// 1 / rms of a row of H floats with eps (an RMSNorm's scale): add_rms_norm's and rms_norm_pair's, one expression.
+inline float inverse_rms(const float* r, int64_t H, double eps) {
+  return 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
+}
+
 // The (compute dtype, cache dtype) pairs the attention ops take: fp32 or bf16 caches of their own
 // dtype, fp16 or bf16 caches under fp32 compute, and int8 caches (codes + a scale per 16 values) under either.
 inline bool kv_pair_ok(at::ScalarType compute, at::ScalarType cache) {

@@ -143,7 +143,7 @@ void rms_norm_pair_impl(const at::Tensor& hidden, const at::Tensor& weight, doub
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* r = hp + n * H;
-      const float inv = 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
+      const float inv = inverse_rms(r, H, eps);
       int64_t i = 0;
       for (; i + W <= H; i += W) {  // the scalar loop below, W lanes at a time (the same roundings)
         const Vec unit = Vec::loadu(r + i) * Vec(inv), w = load_vec(wp + i);

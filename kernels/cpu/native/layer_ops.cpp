@@ -51,7 +51,7 @@ void add_rms_norm_impl(at::Tensor& residual, const std::optional<at::Tensor>& x,
     for (int64_t n = begin; n < end; ++n) {
       float* r = rp + n * H;
       if (has_x) add_row(r, xp, x_float, n, H);
-      const float inv = 1.f / std::sqrt(sum_of_squares(r, H) / static_cast<float>(H) + static_cast<float>(eps));
+      const float inv = inverse_rms(r, H, eps);
       int64_t i = 0;
       for (; i + W <= H; i += W) {  // the tail's roundings, W lanes at a time
         store_vec(round_vec<T>(load_vec(wp + i) * round_vec<T>(Vec::loadu(r + i) * Vec(inv))), op + n * H + i);

@@ -47,7 +47,6 @@ def test_an_installed_package_ships_every_source_and_header() -> None:
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns), path.name
 
 
-
 def sources_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, texts: dict[str, str]) -> None:
     """The build compiles these small sources instead of the library's (no vector flags)."""
     try:
