@@ -36,6 +36,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.models.assets import resolve_model_folder
 from workers.models.llama import DecoderLayer, LlamaForCausalLM
-from workers.models.loader import load_model
+from workers.models.loader import LoadedModel, load_model
 from workers.models.packed_linear import pack_linears
 from workers.precision import cpu_has_native_bf16
 from workers.wire.sampling import SamplingParams
@@ -140,21 +141,32 @@ def measure(engine: Engine, batch: int, steps: int, attention: bool = False) -> 
             statistics.median(attention_times) if attention else None)
 
 
-def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, kv_cache_dtype: str,
-        compile_step: bool, warm_buckets: list[int]) -> None:
-    loaded = load_model(folder, dtype)
+def decoding_engine(loaded: LoadedModel, batch: int, context: int, max_tokens: int, **config: Any) -> Engine:
+    """An engine on `loaded` (EngineConfig `config` beside the bench's batch and KV budget) whose `batch`
+    sequences of `context` unrelated prompt tokens are prefilled and have decoded one step: every later step
+    decodes them all, greedy, for up to `max_tokens` tokens each. Graphs or a compiled step, when `config` asks
+    for them, are left in `engine.runner.graphs`."""
     engine = Engine(loaded, EngineConfig(max_batch_tokens=batch * (context + 1), kv_budget_bytes=2 * 2**30,
-                                         attention="cpu", kv_cache_dtype=kv_cache_dtype,
-                                         compile="decode" if compile_step else "off"))
-    compiled = engine.runner.graphs  # the compiled step (cpu backend) when asked for: off until measured
-    engine.runner.graphs = None
+                                         **config))
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # the prefill runs eagerly
     rng = random.Random(11)
-    params = SamplingParams(max_tokens=5 * steps + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{i}", [rng.randrange(100, 40000) for _ in range(context)], params)
     while any(s.is_prefilling or s.output_len == 0 for s in engine.sequences.values()):
         engine.step()
     engine.step()  # warm-up
+    engine.runner.graphs = graphs
+    return engine
+
+
+def run(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int, kv_cache_dtype: str,
+        compile_step: bool, warm_buckets: list[int]) -> None:
+    loaded = load_model(folder, dtype)
+    engine = decoding_engine(loaded, batch, context, 5 * steps + 16, attention="cpu", kv_cache_dtype=kv_cache_dtype,
+                             compile="decode" if compile_step else "off")
+    compiled = engine.runner.graphs  # the compiled step (cpu backend) when asked for: off until measured
+    engine.runner.graphs = None
     name = str(dtype).removeprefix("torch.")
     cache = str(engine.runner.kv.keys[0].dtype).removeprefix("torch.")
     results = {"cpu": measure(engine, batch, steps)}
