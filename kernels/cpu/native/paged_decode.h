@@ -49,7 +49,7 @@ inline bool amd_family_at_least(unsigned family) {
 // vdpbf16ps halves the op's compute with its cache hot, but in the step the op waits on its K/V, and on a Zen 5
 // the fp32 products' pace kept more of it in flight: that bf16 step at batch 32 x 380 was 0.9-1.3 ms shorter
 // (~4%; per-step alternations in random order, ops/bench/RESULTS.md), so from AMD family 26 on the products
-// are fp32. On a Zen 4 the same A/B read the other way (fp32 products 1.0-1.5 ms a step slower), so vdpbf16ps
+// are fp32. On a Zen 4 the same A/B read the other way (fp32 products 1.0-2.0 ms a step slower), so vdpbf16ps
 // stays there and on Intel (level or faster in the op alone; the step's A/B on Intel is still to be run).
 // TOLLWAY_DECODE_DOTS=bf16 or fp32 overrides the choice for a process.
 inline bool bf16_decode_dots() {
