@@ -89,9 +89,7 @@ def time_attention(engine: Engine) -> float:
     for s in seqs:
         assert s.block_table is not None  # every sequence decodes: each holds blocks
         tables.append(s.block_table.groups[0])
-    width = max(len(t.block_ids) for t in tables)
-    block_tables = torch.tensor([[max(b, 0) for b in t.block_ids] + [0] * (width - len(t.block_ids)) for t in tables],
-                                dtype=torch.int32)
+    block_tables = engine.runner.table_rows.gather(tables)  # the step's own rows (padding and dropped slots: 0)
     # the tokens whose K/V the cache holds: between steps a sequence's newest token has neither K/V nor, where it
     # starts a block, a block yet (the next step's schedule appends it)
     context_lens = torch.tensor([s.computed_len for s in seqs], dtype=torch.int32)
