@@ -1,6 +1,6 @@
 """Variants of the engine's decode step compared in one process, step by step (issue 21): each variant is a set of
-environment variables that the code under test reads on every call (a throw-away build's switch: the shipped
-switches, such as `TOLLWAY_DECODE_DOTS`, are read once per process and cannot be compared this way).
+environment variables that the code under test reads on every call: a throw-away build's switch, or the shipped
+`TOLLWAY_DECODE_DOTS` (read on every `paged_decode` call). A switch read once per process cannot be compared this way.
 
 One engine (`decode_step.decoding_engine`: `--batch` unrelated prompts of `--context` tokens, greedy, on the
 `--attention` backend) runs `--rounds` rounds of one step per variant. Each round's order is drawn at random: a

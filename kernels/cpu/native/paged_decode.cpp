@@ -146,14 +146,16 @@ void value_sum(TaskRows<C> t, const float* inv, float* acc) {
 }
 
 // Query heads g0 .. g0 + NG of the task's KV head (b, h): scores, softmax, V sum, stored into out.
+// `dots`: a bf16 cache's products on vdpbf16ps (bf16_decode_dots(), taken once per op call).
 template <typename T, typename C, int64_t D, int64_t NG>
 void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_t h, int64_t g0, float fscale,
-                TaskRows<C> t) {
+                TaskRows<C> t, bool dots) {
   const int64_t first = h * geo.G + g0;  // the pass's first query head
   bool scored = false;
+  (void)dots;  // read only where the library is built for AVX512
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-    if (bf16_decode_dots()) {
+    if (dots) {
       scores_bf16<D, NG>(qp + geo.q_offset(b, first), geo.qs1, t);
       scored = true;
     }
@@ -171,7 +173,7 @@ void heads_pass(const DecodeGeometry& geo, const T* qp, T* op, int64_t b, int64_
   bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16> && D % 32 == 0) {
-    if (bf16_decode_dots()) {
+    if (dots) {
       value_sum_bf16<D, NG>(t, inv, acc);
       summed = true;
     }
@@ -217,9 +219,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t b = 0; b < geo.B; ++b) singles.push_back(b);
   }
   if (singles.empty()) return;
+  bool dots = false;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (bf16_dots) {
-    if (decode_by_sequence<D>(geo, singles, qp, kp, vp, op, fscale, window)) return;
+    dots = bf16_decode_dots();
+    if (decode_by_sequence<D>(geo, singles, qp, kp, vp, op, fscale, window, dots)) return;
   }
 #endif
   // A task per (row, KV head); where there are rows enough to share out, a thread claims a row's heads together.
@@ -244,11 +248,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const TaskRows<C> t{kp, vp, claimed.rows.data(), n, scores.data(), L, g0 == 0, claimed.next_rows.data(),
                             last || second_last ? next_n : 0, probs16.data(), second_last};
         switch (std::min(kHeadsPerPass, G - g0)) {
-          case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t); break;
+          case 1: heads_pass<T, C, D, 1>(geo, qp, op, b, h, g0, fscale, t, dots); break;
 #if defined(CPU_CAPABILITY_AVX512)
-          case 2: heads_pass<T, C, D, 2>(geo, qp, op, b, h, g0, fscale, t); break;
-          case 3: heads_pass<T, C, D, 3>(geo, qp, op, b, h, g0, fscale, t); break;
-          case 4: heads_pass<T, C, D, 4>(geo, qp, op, b, h, g0, fscale, t); break;
+          case 2: heads_pass<T, C, D, 2>(geo, qp, op, b, h, g0, fscale, t, dots); break;
+          case 3: heads_pass<T, C, D, 3>(geo, qp, op, b, h, g0, fscale, t, dots); break;
+          case 4: heads_pass<T, C, D, 4>(geo, qp, op, b, h, g0, fscale, t, dots); break;
 #endif
         }
       }

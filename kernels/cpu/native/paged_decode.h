@@ -51,16 +51,16 @@ inline bool amd_family_at_least(unsigned family) {
 // (~4%; per-step alternations in random order, ops/bench/RESULTS.md), so from AMD family 26 on the products
 // are fp32. On a Zen 4 the same A/B read the other way (fp32 products 1.0-2.0 ms a step slower), so vdpbf16ps
 // stays there and on Intel (level or faster in the op alone; the step's A/B on Intel is still to be run).
-// TOLLWAY_DECODE_DOTS=bf16 or fp32 overrides the choice for a process.
+// TOLLWAY_DECODE_DOTS=bf16 or fp32 overrides the choice. paged_decode reads it once per call (~30 a step), so
+// ops/bench/step_ab.py can compare both in one process; the CPU's own choice is taken once, as CPUID in a guest
+// exits to the hypervisor (a throw-away build that asked it per pass made the bf16 step 2.7x slower).
 inline bool bf16_decode_dots() {
-  static const bool chosen = [] {
-    if (!bf16_dot_available()) return false;
-    const char* forced = std::getenv("TOLLWAY_DECODE_DOTS");
-    if (forced != nullptr && std::strcmp(forced, "bf16") == 0) return true;
-    if (forced != nullptr && std::strcmp(forced, "fp32") == 0) return false;
-    return !amd_family_at_least(26);
-  }();
-  return chosen;
+  static const bool cpu_choice = bf16_dot_available() && !amd_family_at_least(26);
+  if (!bf16_dot_available()) return false;
+  const char* forced = std::getenv("TOLLWAY_DECODE_DOTS");
+  if (forced != nullptr && std::strcmp(forced, "bf16") == 0) return true;
+  if (forced != nullptr && std::strcmp(forced, "fp32") == 0) return false;
+  return cpu_choice;
 }
 #endif
 

@@ -187,12 +187,13 @@ TOLLWAY_BF16_DOT void sequence_task(const DecodeGeometry& geo, const BFloat16* q
 
 // The op by sequence_task where it applies (else false): a task per sequence where there are enough of them
 // to share out over the threads; fewer (one stream, a few) keep a task per KV head (paged_decode.cpp).
-// `batch_rows`: the rows to attend (those outside prefill runs).
+// `batch_rows`: the rows to attend (those outside prefill runs); `dots`: bf16_decode_dots() for this call.
 template <int64_t D>
 bool decode_by_sequence(const DecodeGeometry& geo, const std::vector<int64_t>& batch_rows, const BFloat16* qp,
-                        const BFloat16* kp, const BFloat16* vp, BFloat16* op, float fscale, int64_t window) {
+                        const BFloat16* kp, const BFloat16* vp, BFloat16* op, float fscale, int64_t window,
+                        bool dots) {
   const int64_t Hkv = geo.Hkv, G = geo.G, L = geo.L, count = static_cast<int64_t>(batch_rows.size());
-  if (!(bf16_decode_dots() && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
+  if (!(dots && G <= kHeadsPerPass && geo.cs2 == D && count >= 2 * at::get_num_threads())) {
     return false;
   }
   LongestFirst tasks(count, [&](int64_t i) { return geo.lens[batch_rows[i]]; });

@@ -7,11 +7,7 @@ Tolerances as tests/unit/kernels/test_kernels.py: fp32 1e-5, bf16 2e-2.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ from kernels.cpu import native
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import require_native
+from workers.precision import cpu_flags
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,10 +87,17 @@ def test_paged_decode_by_sequence_and_by_kv_head(lengths: list[int], threads: in
     torch.testing.assert_close(got, expected, **tolerance(torch.bfloat16))
 
 
-def check_bf16_decode_rows() -> None:
-    """Every bf16 case of CASES, and a batch by sequence and by KV head, against the reference (run in its own
-    process by the test below: the choice of products is made once a process)."""
-    native.load()
+def cpu_has_bf16_dots() -> bool:
+    """Whether the library takes vdpbf16ps products: built for AVX512 on a CPU with AVX512-BF16."""
+    return "avx512_bf16" in cpu_flags() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@pytest.mark.parametrize("dots", ["bf16", "fp32"])
+def test_bf16_decode_rows_on_either_products(dots: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 q over a bf16 cache takes its products on vdpbf16ps or widened to fp32, as the CPU decides
+    (paged_decode.h `bf16_decode_dots`): each, forced by TOLLWAY_DECODE_DOTS, gives the reference's attention
+    (every bf16 case of CASES, and a batch by sequence and by KV head), whichever this machine picks by itself."""
+    monkeypatch.setenv("TOLLWAY_DECODE_DOTS", dots)
     for group, head_dim, block_size, dtype in CASES:
         if dtype == torch.bfloat16:
             test_paged_decode_matches_reference(group, head_dim, block_size, dtype, None)
@@ -101,17 +105,20 @@ def check_bf16_decode_rows() -> None:
         test_paged_decode_by_sequence_and_by_kv_head([1, 2, 15, 16, 17, 77, 321], threads)
 
 
-@pytest.mark.parametrize("dots", ["bf16", "fp32"])
-def test_bf16_decode_rows_on_either_products(dots: str) -> None:
-    """A bf16 q over a bf16 cache takes its products on vdpbf16ps or widened to fp32, as the CPU decides
-    (paged_decode.h `bf16_decode_dots`): each, forced by TOLLWAY_DECODE_DOTS, gives the reference's attention,
-    whichever this machine picks by itself."""
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TOLLWAY_DECODE_DOTS": dots, "PYTHONPATH": str(root)}
-    code = "from tests.unit.kernels.test_native import check_bf16_decode_rows; check_bf16_decode_rows()"
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_decode_dots_switch_is_read_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOLLWAY_DECODE_DOTS is read on every paged_decode call (ops/bench/step_ab.py compares the two products in
+    one process): where the CPU has AVX512-BF16 the two settings round differently (bf16 probabilities in the V
+    sum), so one process sees two results; elsewhere both are the fp32 products, bit for bit."""
+    k_cache, v_cache, meta = paged_batch([40, 77, 321, 5, 60], 8, 3, 64, torch.bfloat16, seed=9)
+    q = torch.randn(5, 9, 64).bfloat16()
+    outputs = {}
+    for dots in ("bf16", "fp32", "bf16"):
+        monkeypatch.setenv("TOLLWAY_DECODE_DOTS", dots)
+        got = torch.ops.tollway_cpu.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, 0)
+        if dots in outputs:
+            assert torch.equal(got, outputs[dots]), "the same setting gave two results"
+        outputs[dots] = got
+    assert torch.equal(outputs["bf16"], outputs["fp32"]) != cpu_has_bf16_dots()
 
 
 def test_paged_decode_reads_strided_queries() -> None:
