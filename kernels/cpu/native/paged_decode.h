@@ -55,8 +55,8 @@ inline bool amd_family_at_least(unsigned family) {
 // ops/bench/step_ab.py can compare both in one process; the CPU's own choice is taken once, as CPUID in a guest
 // exits to the hypervisor (a throw-away build that asked it per pass made the bf16 step 2.7x slower).
 inline bool bf16_decode_dots() {
-  static const bool cpu_choice = bf16_dot_available() && !amd_family_at_least(26);
   if (!bf16_dot_available()) return false;
+  static const bool cpu_choice = !amd_family_at_least(26);
   const char* forced = std::getenv("TOLLWAY_DECODE_DOTS");
   if (forced != nullptr && std::strcmp(forced, "bf16") == 0) return true;
   if (forced != nullptr && std::strcmp(forced, "fp32") == 0) return false;
