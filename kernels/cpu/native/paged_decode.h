@@ -28,35 +28,34 @@ constexpr int64_t kHeadsPerPass = 1, kRegisters = 16;
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Whether the CPU is an AMD one of family `family` or later (Zen 5 is family 26).
-inline bool amd_family_at_least(unsigned family) {
+// The CPU's family where it is an AMD one (Zen 4 is family 25, Zen 5 26), else 0.
+inline unsigned amd_family() {
 #if defined(__x86_64__)
   unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
   char vendor[13] = {};
   std::memcpy(vendor, &ebx, 4), std::memcpy(vendor + 4, &edx, 4), std::memcpy(vendor + 8, &ecx, 4);
-  if (std::strcmp(vendor, "AuthenticAMD") != 0 || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  if (std::strcmp(vendor, "AuthenticAMD") != 0 || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
   const unsigned base = (eax >> 8) & 0xf;
-  return (base == 0xf ? base + ((eax >> 20) & 0xff) : base) >= family;
+  return base == 0xf ? base + ((eax >> 20) & 0xff) : base;
 #else
-  return false;
+  return 0;
 #endif
 }
 
 // Whether a bf16 q over a bf16 cache takes the decode rows' products on vdpbf16ps (paged_decode_bf16.h: the
 // scores two dims a lane, the V sum two tokens a lane with the probabilities rounded to bf16, a task per sequence)
 // rather than widening each row to fp32 (scores_float and value_sum, a task per KV head, as an fp32 q does).
-// vdpbf16ps halves the op's compute with its cache hot, but in the step the op waits on its K/V, and on a Zen 5
-// the fp32 products' pace kept more of it in flight: that bf16 step at batch 32 x 380 was 0.9-1.3 ms shorter
-// (~4%; per-step alternations in random order, ops/bench/RESULTS.md), so from AMD family 26 on the products
-// are fp32. On a Zen 4 the same A/B read the other way (fp32 products 1.0-2.0 ms a step slower), so vdpbf16ps
-// stays there and on Intel (level or faster in the op alone; the step's A/B on Intel is still to be run).
+// vdpbf16ps halves the op's compute with its cache hot, but in the step the op waits on its K/V. Per-step A/Bs in
+// random order (ops/bench/step_ab.py, ops/bench/RESULTS.md) chose per CPU: on a Zen 5 the fp32 products' step at
+// batch 32 x 380 was 0.9-1.3 ms shorter, on an Emerald Rapids Xeon (where vdpbf16ps issues at a quarter of an
+// FMA's rate) 0.7-1.4 ms shorter, on a Zen 4 1.0-2.0 ms longer. So vdpbf16ps is taken on AMD family 25 only.
 // TOLLWAY_DECODE_DOTS=bf16 or fp32 overrides the choice. paged_decode reads it once per call (~30 a step), so
 // ops/bench/step_ab.py can compare both in one process; the CPU's own choice is taken once, as CPUID in a guest
 // exits to the hypervisor (a throw-away build that asked it per pass made the bf16 step 2.7x slower).
 inline bool bf16_decode_dots() {
   if (!bf16_dot_available()) return false;
-  static const bool cpu_choice = !amd_family_at_least(26);
+  static const bool cpu_choice = amd_family() == 25;
   const char* forced = std::getenv("TOLLWAY_DECODE_DOTS");
   if (forced != nullptr && std::strcmp(forced, "bf16") == 0) return true;
   if (forced != nullptr && std::strcmp(forced, "fp32") == 0) return false;
