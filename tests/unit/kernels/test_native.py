@@ -18,7 +18,6 @@ from kernels.cpu import native
 from kernels.dispatch import paged_attention
 from kernels.metadata import PagedAttentionMetadata
 from tests.required import require_native
-from workers.precision import cpu_flags
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,11 +86,6 @@ def test_paged_decode_by_sequence_and_by_kv_head(lengths: list[int], threads: in
     torch.testing.assert_close(got, expected, **tolerance(torch.bfloat16))
 
 
-def cpu_has_bf16_dots() -> bool:
-    """Whether the library takes vdpbf16ps products: built for AVX512 on a CPU with AVX512-BF16."""
-    return "avx512_bf16" in cpu_flags() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
 @pytest.mark.parametrize("dots", ["bf16", "fp32"])
 def test_bf16_decode_rows_on_either_products(dots: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 q over a bf16 cache takes its products on vdpbf16ps or widened to fp32, as the CPU decides
@@ -118,7 +112,8 @@ def test_decode_dots_switch_is_read_per_call(monkeypatch: pytest.MonkeyPatch) ->
         if dots in outputs:
             assert torch.equal(got, outputs[dots]), "the same setting gave two results"
         outputs[dots] = got
-    assert torch.equal(outputs["bf16"], outputs["fp32"]) != cpu_has_bf16_dots()
+    # The library's own answer to "built for AVX512 on a CPU with AVX512-BF16" (bf16_dot_available in common.h).
+    assert torch.equal(outputs["bf16"], outputs["fp32"]) != native.tile_matmul_available()
 
 
 def test_paged_decode_reads_strided_queries() -> None:
