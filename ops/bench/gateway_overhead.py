@@ -33,12 +33,14 @@ process. Anchor: LiteLLM proxy adds 30.6 ms p50 / 91.6 ms p99 at ~91 req/s per 4
 
     .venv/bin/python -m ops.bench.gateway_overhead [--seconds 5] [--concurrency 1,64,256] [--json [PATH]]
         [--no-stream] [--quotas] [--redis-url URL] [--database-url URL] [--rate R] [--pin-gateway]
-        [--tokens N] [--token-delay-ms D]
+        [--tokens N] [--token-delay-ms D] [--floor]
 
 `--rate R` paces the C clients to R requests/s in all, for both direct and gateway runs: the added
 latency at C clients then compares the two at the same offered load (below the gateway's capacity),
 where the closed loop instead measures queueing behind whichever process saturates first.
-`--pin-gateway` gives the gateway a core of its own. `--tokens N --token-delay-ms D` make the fake
+`--floor` also runs each level through `ops.bench.relay_floor` (an aiohttp server relaying the same
+requests over tollway's worker channel, and nothing else: the transport's share of the gateway's
+cost). `--pin-gateway` gives the gateway a core of its own. `--tokens N --token-delay-ms D` make the fake
 worker answer N tokens, one every D ms, as an engine's decode steps would.
 
 To compare two checkouts, run it as a module from each (`cd CHECKOUT && .venv/bin/python -m
@@ -202,6 +204,12 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
                                     TOLLWAY_HEALTH_INTERVAL_S="1", **options.gateway_env()),
                           home / "gateway.log")
         services.append(gateway)
+        floor_url = None
+        if args.floor:
+            floor_port = free_port()
+            floor_url = f"http://127.0.0.1:{floor_port}"
+            services.append(Service("relay floor", ["-m", "ops.bench.relay_floor", "--port", str(floor_port),
+                                                    "--worker-url", worker_url], child_env(), home / "floor.log"))
         if args.pin_gateway:
             pin_gateway(gateway.pid, worker.pid)
         async with aiohttp.ClientSession() as session:
@@ -211,15 +219,21 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
             async with session.get(f"{worker_url}/internal/info", headers=WORKER_AUTH) as response:
                 model = (await response.json())["model"]
             await sanity_check(session, worker_url, gateway_url, key, model, args.tokens)
+            if floor_url is not None:
+                await wait_healthy(session, services[-1], f"{floor_url}/healthz", lambda _: True)
         print(f"fake worker pid {worker.pid} at {worker_url}; gateway pid {gateway.pid} at {gateway_url}; "
               f"model {model!r}; warm-up {WARMUP_S:g} s + {args.seconds:g} s per run", flush=True)
 
-        pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid()}
+        pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid(),
+                **({"floor": services[-1].pid} if floor_url is not None else {})}
         plan: list[tuple[str, Request, int, bool]] = []
         for c in args.concurrency:
             plan.append(("direct", direct_request(worker_url, stream=False, tokens=args.tokens), c, False))
             plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False, tokens=args.tokens), c,
                          False))
+            if floor_url is not None:  # the same requests (the relay reads only max_tokens)
+                plan.append(("floor", gateway_request(floor_url, key, model, stream=False, tokens=args.tokens), c,
+                             False))
         if not args.no_stream:
             plan.append(("direct", direct_request(worker_url, stream=True, tokens=args.tokens), 1, True))
             plan.append(("gateway", gateway_request(gateway_url, key, model, stream=True, tokens=args.tokens), 1,
@@ -271,6 +285,8 @@ def main() -> None:
                         help="run the gateway alone on the last core, everything else on the others")
     parser.add_argument("--rate", type=float, default=None,
                         help="pace the C clients to this many requests/s in all (default: closed loop)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the same load through ops.bench.relay_floor (the transport alone)")
     parser.add_argument("--quotas", action="store_true",
                         help="give the tenant finite, generous quotas (every dimension checked)")
     parser.add_argument("--redis-url", default=None, help="quota store in this Redis (default: in-process)")

@@ -59,6 +59,18 @@ def print_report(results: list[RunResult], note: str, cores: int, rate: float | 
               f"{per_core:>13,.0f} {row['worker_cpu_ms_per_request_direct']:>7.3f}/"
               f"{row['worker_cpu_ms_per_request_gateway']:<7.3f} | {d.errors}/{g.errors} | "
               f"{d.steal_pct:.0f}/{g.steal_pct:.0f}")
+    floors = [by_key[key] for key in (("floor", c, False) for c in levels) if key in by_key]
+    if floors:
+        print()
+        print("The relay floor (ops.bench.relay_floor: the same requests over the worker channel, nothing else)")
+        for f in floors:
+            g = by_key.get(("gateway", f.concurrency, False))
+            floor_cpu = f.cpu_ms_per_request.get("floor", float("nan"))
+            gw_cpu = g.cpu_ms_per_request.get("gateway", float("nan")) if g is not None else float("nan")
+            print(f"  C={f.concurrency:<4} {f.rps:,.0f} req/s  p50 {f.p50_ms:.2f} ms  p99 {f.p99_ms:.2f} ms  CPU "
+                  f"{floor_cpu:.3f} ms/request; the gateway's request path beyond it {gw_cpu - floor_cpu:+.3f} ms "
+                  f"of CPU, {g.p50_ms - f.p50_ms if g is not None else float('nan'):+.2f} ms at p50 "
+                  f"(errors {f.errors})")
     for r in results:
         if r.first_error:
             print(f"  first error ({r.target}, C={r.concurrency}{', stream' if r.stream else ''}): {r.first_error}")
