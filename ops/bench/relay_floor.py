@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -39,8 +41,11 @@ async def relay(request: web.Request) -> web.Response:
     """The chat request's `max_tokens` tokens from the worker, joined into one chat completion."""
     raw = orjson.loads(await request.read())
     request_id = f"floor-{next(REQUEST_NUMBERS)}"
+    # With `billing`, as the gateway sends it: the worker keeps the usage until the acknowledgement below.
+    billing = {"tenant_id": 0, "key_id": None, "model": raw.get("model"), "batch_id": None,
+               "started_at": datetime.now(UTC).isoformat(), "route": "chat.completions"}
     body: Any = {"request_id": request_id, "namespace": "floor", "stream": False, "prompt_token_ids": PROMPT_IDS,
-                 "sampling": {"max_tokens": int(raw["max_tokens"]), "ignore_eos": True}}
+                 "sampling": {"max_tokens": int(raw["max_tokens"]), "ignore_eos": True}, "billing": billing}
     channel = request.app[CHANNEL_KEY]
     answer = await channel.open_request(body, {})
     texts: list[str] = []
@@ -52,6 +57,7 @@ async def relay(request: web.Request) -> web.Response:
                 usage = line.get("usage", usage)
     finally:
         await channel.release(answer)
+    channel.acknowledge(request_id)  # as the gateway, once billed: the worker may forget the request's usage
     completion = {"id": request_id, "object": "chat.completion", "model": raw.get("model"),
                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
                                "finish_reason": "length"}],
@@ -68,7 +74,7 @@ async def healthz(_request: web.Request) -> web.Response:
 def create_relay_app(worker_url: str, worker_secret: str) -> web.Application:
     app = web.Application()
 
-    async def channel_context(app: web.Application):  # type: ignore[no-untyped-def]
+    async def channel_context(app: web.Application) -> AsyncIterator[None]:
         async with aiohttp.ClientSession() as session:
             channel = WorkerChannel(worker_url, session, CONNECT_TIMEOUT_S,
                                     {"Authorization": f"Bearer {worker_secret}"})
