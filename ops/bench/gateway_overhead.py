@@ -204,12 +204,12 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
                                     TOLLWAY_HEALTH_INTERVAL_S="1", **options.gateway_env()),
                           home / "gateway.log")
         services.append(gateway)
-        floor_url = None
+        floor_port = free_port()
+        floor, floor_url = None, f"http://127.0.0.1:{floor_port}"
         if args.floor:
-            floor_port = free_port()
-            floor_url = f"http://127.0.0.1:{floor_port}"
-            services.append(Service("relay floor", ["-m", "ops.bench.relay_floor", "--port", str(floor_port),
-                                                    "--worker-url", worker_url], child_env(), home / "floor.log"))
+            floor = Service("relay floor", ["-m", "ops.bench.relay_floor", "--port", str(floor_port),
+                                            "--worker-url", worker_url], child_env(), home / "floor.log")
+            services.append(floor)
         if args.pin_gateway:
             pin_gateway(gateway.pid, worker.pid)
         async with aiohttp.ClientSession() as session:
@@ -219,19 +219,19 @@ async def run(args: argparse.Namespace, home: Path, options: PathOptions) -> lis
             async with session.get(f"{worker_url}/internal/info", headers=WORKER_AUTH) as response:
                 model = (await response.json())["model"]
             await sanity_check(session, worker_url, gateway_url, key, model, args.tokens)
-            if floor_url is not None:
-                await wait_healthy(session, services[-1], f"{floor_url}/healthz", lambda _: True)
+            if floor is not None:
+                await wait_healthy(session, floor, f"{floor_url}/healthz", lambda _: True)
         print(f"fake worker pid {worker.pid} at {worker_url}; gateway pid {gateway.pid} at {gateway_url}; "
               f"model {model!r}; warm-up {WARMUP_S:g} s + {args.seconds:g} s per run", flush=True)
 
         pids = {"gateway": gateway.pid, "worker": worker.pid, "client": os.getpid(),
-                **({"floor": services[-1].pid} if floor_url is not None else {})}
+                **({"floor": floor.pid} if floor is not None else {})}
         plan: list[tuple[str, Request, int, bool]] = []
         for c in args.concurrency:
             plan.append(("direct", direct_request(worker_url, stream=False, tokens=args.tokens), c, False))
             plan.append(("gateway", gateway_request(gateway_url, key, model, stream=False, tokens=args.tokens), c,
                          False))
-            if floor_url is not None:  # the same requests (the relay reads only max_tokens)
+            if floor is not None:  # the same requests (the relay reads only max_tokens)
                 plan.append(("floor", gateway_request(floor_url, key, model, stream=False, tokens=args.tokens), c,
                              False))
         if not args.no_stream:

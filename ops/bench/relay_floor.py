@@ -21,7 +21,6 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
 
 import aiohttp
 import orjson
@@ -29,9 +28,10 @@ from aiohttp import web
 
 from gateway.app import new_event_loop
 from gateway.upstream.channel import WorkerChannel
+from ops.bench.gateway_overhead import DIRECT_PROMPT_IDS as PROMPT_IDS  # as the bench's direct requests send
 from ops.startup_heap import frozen_startup_heap, rarer_young_collections
+from workers.wire.generate import Billing, generate_body
 
-PROMPT_IDS = list(range(100, 120))  # as the bench's direct requests send
 CHANNEL_KEY = web.AppKey("channel", WorkerChannel)
 REQUEST_NUMBERS = itertools.count()  # request ids unique in this process
 CONNECT_TIMEOUT_S = 5.0
@@ -42,10 +42,10 @@ async def relay(request: web.Request) -> web.Response:
     raw = orjson.loads(await request.read())
     request_id = f"floor-{next(REQUEST_NUMBERS)}"
     # With `billing`, as the gateway sends it: the worker keeps the usage until the acknowledgement below.
-    billing = {"tenant_id": 0, "key_id": None, "model": raw.get("model"), "batch_id": None,
-               "started_at": datetime.now(UTC).isoformat(), "route": "chat.completions"}
-    body: Any = {"request_id": request_id, "namespace": "floor", "stream": False, "prompt_token_ids": PROMPT_IDS,
-                 "sampling": {"max_tokens": int(raw["max_tokens"]), "ignore_eos": True}, "billing": billing}
+    billing: Billing = {"tenant_id": 0, "key_id": None, "model": raw.get("model"), "batch_id": None,
+                        "started_at": datetime.now(UTC).isoformat(), "route": "chat.completions"}
+    body = generate_body(request_id, "floor", PROMPT_IDS, {"max_tokens": int(raw["max_tokens"]), "ignore_eos": True},
+                         stream=False, billing=billing)
     channel = request.app[CHANNEL_KEY]
     answer = await channel.open_request(body, {})
     texts: list[str] = []
