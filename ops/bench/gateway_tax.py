@@ -43,19 +43,20 @@ import torch
 
 from ops.bench.engine_gsp import run_engine, workload
 from ops.bench.gateway_overhead import PathOptions, prepare_home
-from ops.bench.http_load import CLK_TCK, WORKER_AUTH, Service, child_env, cpu_seconds, free_port, wait_healthy
+from ops.bench.http_load import (
+    WORKER_AUTH,
+    Service,
+    child_env,
+    cpu_seconds,
+    free_port,
+    main_thread_cpu,
+    wait_healthy,
+)
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import load_model
 from workers.precision import resolve_device, resolve_dtype
 
 TIMEOUT = aiohttp.ClientTimeout(total=600)
-
-
-def main_thread_cpu(pid: int) -> float:
-    """CPU seconds of a process's main thread (a serving process's event loop)."""
-    stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 async def worker_request(session: aiohttp.ClientSession, url: str, index: int, prompt: list[int],

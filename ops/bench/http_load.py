@@ -39,8 +39,31 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/<pid>/stat."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def main_thread_cpu(pid: int) -> float:
+    """CPU seconds of a process's main thread: a serving process's event loop, without its helper threads
+    (the gateway's usage writer, thread pools)."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def voluntary_switches(pid: int) -> int:
+    """How many times the threads of a process gave up their CPU to wait (for a socket, a disk flush, a lock),
+    from /proc/<pid>/task/*/status. Each is a sleep and a wakeup: a request that waits more often costs more."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(maxsplit=1)[0])
+    return total
+
+
+def _stat_cpu_seconds(stat_path: Path) -> float:
+    stat = stat_path.read_text()
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; fields[0] is field 3 (state)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
@@ -151,8 +174,15 @@ class RunResult:
     p99_ms: float
     ttfb_p50_ms: float
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # process name -> CPU ms / request
+    loop_cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # the same, its main thread's alone
+    switches_per_request: dict[str, float] = field(default_factory=dict)  # process name -> voluntary switches
     first_error: str | None = None
     steal_pct: float = float("nan")  # of the machine's CPU time during the window (noisy neighbours)
+
+
+def per_request(amount: float, requests: int, scale: float = 1.0) -> float:
+    """`amount` × `scale` per request (NaN when no request was measured)."""
+    return amount * scale / requests if requests else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -171,7 +201,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
     errors: list[str] = []
     loop_start = time.perf_counter()
     window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
-    cpu: dict[str, list[float]] = {}
+    cpu: dict[str, list[tuple[float, float, int]]] = {}  # name -> (CPU s, main thread's CPU s, switches) at edges
     machine: list[tuple[int, int]] = []
 
     async def client(session: aiohttp.ClientSession, index: int) -> None:
@@ -195,7 +225,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
         for edge in (window_start, window_end):
             await asyncio.sleep(max(0.0, edge - time.perf_counter()))
             for name, pid in pids.items():
-                cpu.setdefault(name, []).append(cpu_seconds(pid))
+                cpu.setdefault(name, []).append((cpu_seconds(pid), main_thread_cpu(pid), voluntary_switches(pid)))
             machine.append(cpu_times())
 
     # The load generator's own garbage collections would stop every client at once (a full one took
@@ -217,8 +247,10 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
         target=target, concurrency=concurrency, stream=stream, requests=n, errors=len(errors),
         seconds=seconds, rps=n / seconds, p50_ms=percentile(latencies, 0.5) * 1e3,
         p99_ms=percentile(latencies, 0.99) * 1e3, ttfb_p50_ms=percentile(ttfb, 0.5) * 1e3,
-        cpu_ms_per_request={name: (after - before) * 1e3 / n if n else float("nan")
-                            for name, (before, after) in cpu.items()},
+        cpu_ms_per_request={name: per_request(after[0] - before[0], n, 1e3) for name, (before, after) in cpu.items()},
+        loop_cpu_ms_per_request={name: per_request(after[1] - before[1], n, 1e3)
+                                 for name, (before, after) in cpu.items()},
+        switches_per_request={name: per_request(after[2] - before[2], n) for name, (before, after) in cpu.items()},
         first_error=errors[0] if errors else None,
         steal_pct=(100.0 * (machine[1][0] - machine[0][0]) / max(1, machine[1][1] - machine[0][1])
                    if len(machine) == 2 else float("nan")),
