@@ -51,7 +51,8 @@ def main_thread_cpu(pid: int) -> float:
 
 def voluntary_switches(pid: int) -> int:
     """How many times the threads of a process gave up their CPU to wait (for a socket, a disk flush, a lock),
-    from /proc/<pid>/task/*/status. Each is a sleep and a wakeup: a request that waits more often costs more."""
+    from /proc/<pid>/task/*/status. Each is a sleep and a wakeup: a request that waits more often costs more.
+    Only threads alive now count: one that ends between two readings takes its count with it."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
