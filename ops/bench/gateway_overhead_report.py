@@ -139,14 +139,14 @@ def print_cpu_split(by_key: dict[tuple[str, int, bool], RunResult], levels: list
     the process slept and woke (voluntary context switches: waits on sockets, disk flushes, locks)."""
     lines = []
     for c in levels:
-        for target, process in (("gateway", "gateway"), ("floor", "floor")):
+        for target in ("gateway", "floor"):  # each run's process of that name
             run = by_key.get((target, c, False))
-            if run is None or process not in run.loop_cpu_ms_per_request:
+            if run is None or target not in run.loop_cpu_ms_per_request:
                 continue
-            total, loop = run.cpu_ms_per_request[process], run.loop_cpu_ms_per_request[process]
+            total, loop = run.cpu_ms_per_request[target], run.loop_cpu_ms_per_request[target]
             others = max(0.0, total - loop)  # each is read in whole clock ticks: never a negative difference
             lines.append(f"  C={c:<4} {target:8} event loop {loop:.3f} + other threads {others:.3f} ms of "
-                         f"CPU; {run.switches_per_request[process]:.1f} sleeps (voluntary context switches)")
+                         f"CPU; {run.switches_per_request[target]:.1f} sleeps (voluntary context switches)")
     if lines:
         print()
         print("CPU a request by thread, and sleeps a request (from /proc/<pid>/task)")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -61,6 +61,18 @@ def voluntary_switches(pid: int) -> int:
             continue
         total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(maxsplit=1)[0])
     return total
+
+
+class ProcessReading(NamedTuple):
+    """What `closed_loop` reads of a process at each edge of its measured window."""
+
+    cpu_s: float
+    loop_cpu_s: float  # its main thread's
+    switches: int  # voluntary, of its live threads
+
+
+def read_process(pid: int) -> ProcessReading:
+    return ProcessReading(cpu_seconds(pid), main_thread_cpu(pid), voluntary_switches(pid))
 
 
 def _stat_cpu_seconds(stat_path: Path) -> float:
@@ -202,7 +214,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
     errors: list[str] = []
     loop_start = time.perf_counter()
     window_start, window_end = loop_start + WARMUP_S, loop_start + WARMUP_S + seconds
-    cpu: dict[str, list[tuple[float, float, int]]] = {}  # name -> (CPU s, main thread's CPU s, switches) at edges
+    readings: dict[str, list[ProcessReading]] = {}  # process name -> its readings at the window's edges
     machine: list[tuple[int, int]] = []
 
     async def client(session: aiohttp.ClientSession, index: int) -> None:
@@ -226,7 +238,7 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
         for edge in (window_start, window_end):
             await asyncio.sleep(max(0.0, edge - time.perf_counter()))
             for name, pid in pids.items():
-                cpu.setdefault(name, []).append((cpu_seconds(pid), main_thread_cpu(pid), voluntary_switches(pid)))
+                readings.setdefault(name, []).append(read_process(pid))
             machine.append(cpu_times())
 
     # The load generator's own garbage collections would stop every client at once (a full one took
@@ -248,10 +260,10 @@ async def closed_loop(target: str, send: Request, concurrency: int, seconds: flo
         target=target, concurrency=concurrency, stream=stream, requests=n, errors=len(errors),
         seconds=seconds, rps=n / seconds, p50_ms=percentile(latencies, 0.5) * 1e3,
         p99_ms=percentile(latencies, 0.99) * 1e3, ttfb_p50_ms=percentile(ttfb, 0.5) * 1e3,
-        cpu_ms_per_request={name: per_request(after[0] - before[0], n, 1e3) for name, (before, after) in cpu.items()},
-        loop_cpu_ms_per_request={name: per_request(after[1] - before[1], n, 1e3)
-                                 for name, (before, after) in cpu.items()},
-        switches_per_request={name: per_request(after[2] - before[2], n) for name, (before, after) in cpu.items()},
+        cpu_ms_per_request={name: per_request(b.cpu_s - a.cpu_s, n, 1e3) for name, (a, b) in readings.items()},
+        loop_cpu_ms_per_request={name: per_request(b.loop_cpu_s - a.loop_cpu_s, n, 1e3)
+                                 for name, (a, b) in readings.items()},
+        switches_per_request={name: per_request(b.switches - a.switches, n) for name, (a, b) in readings.items()},
         first_error=errors[0] if errors else None,
         steal_pct=(100.0 * (machine[1][0] - machine[0][0]) / max(1, machine[1][1] - machine[0][1])
                    if len(machine) == 2 else float("nan")),
