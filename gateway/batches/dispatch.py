@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from workers.wire.batches import QUEUE, RUN_TASK
+from workers.wire.batches import QUEUE, RUN_TASK, is_redis_broker
 from workers.wire.telemetry import PROPAGATOR
 
 log = logging.getLogger("tollway.gateway")
@@ -50,9 +50,12 @@ class CeleryDispatcher:
             self._app = celery.Celery("tollway-gateway", broker=self.broker_url, set_as_current=False)
             self._app.conf.broker_connection_retry_on_startup = False
             self._app.conf.broker_connection_timeout = BROKER_TIMEOUT_S
-            # Redis broker: no socket operation waits longer (other transports ignore these).
-            self._app.conf.broker_transport_options = {"socket_timeout": BROKER_TIMEOUT_S,
-                                                       "socket_connect_timeout": BROKER_TIMEOUT_S}
+            # Redis: no socket operation waits longer. Only there: kombu's SQLAlchemy transport (`tollway up`'s
+            # SQLite broker) hands its transport options to `create_engine`, which refuses these, so every
+            # dispatch failed and each batch waited for the sweep (up to its 30 s interval) to be queued.
+            if is_redis_broker(self.broker_url):
+                self._app.conf.broker_transport_options = {"socket_timeout": BROKER_TIMEOUT_S,
+                                                           "socket_connect_timeout": BROKER_TIMEOUT_S}
         return self._app
 
     def dispatch(self, batch_id: str) -> None:

@@ -57,5 +57,7 @@ def test_a_200_line_batch_through_the_openai_sdk(smollm2_folder: Path, model_hom
         assert sorted(r[0] for r in rows) == sorted(line["response"]["request_id"] for line in lines)
         assert {r[1] for r in rows} == {"ok"}
         assert (tollway.home / "logs" / "batch-worker.log").exists()
+        # queued on the embedded broker when created, not left for the sweep to find (up to 30 s later)
+        assert "could not queue batch" not in (tollway.home / "logs" / "gateway.log").read_text()
     finally:
         tollway.stop()

@@ -24,3 +24,8 @@ def broker_url(broker_url: str | None, redis_url: str | None, home: Path) -> str
     if redis_url:
         return redis_url
     return f"sqla+sqlite:///{home.resolve() / 'celery-broker.sqlite'}"
+
+
+def is_redis_broker(url: str) -> bool:
+    """Whether the Celery broker `url` is Redis (whose transport takes socket timeouts as options)."""
+    return url.split("://", 1)[0] in ("redis", "rediss", "redis+socket")

@@ -5,8 +5,11 @@ bounded by the channel's heartbeat instead: see gateway/upstream/channel.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -19,6 +22,7 @@ from gateway.upstream.channel import ChannelClosed, WorkerChannel
 from ops.fake_worker import FAKE_WORKER_SECRET, FakeWorker, create_fake_worker_app
 from tests.net import silent_listener
 from tests.unit.gateway.test_worker_channel import body
+from workers.wire.batches import RUN_TASK, broker_url
 
 
 @pytest.mark.asyncio
@@ -78,3 +82,16 @@ def test_the_celery_producer_gives_up_on_a_redis_that_never_answers(monkeypatch:
         with pytest.raises(Exception):  # noqa: B017 (kombu's or redis' error, whichever gives up first)
             dispatcher.dispatch("batch_x")
     assert time.monotonic() - started < 10
+
+
+def test_a_dispatch_lands_on_the_embedded_sqlite_broker(tmp_path: Path) -> None:
+    """`tollway up`'s broker (kombu's SQLAlchemy transport on SQLite, as `broker_url` names it) takes the run task
+    at once: its message is in the broker's table. (Redis's socket timeouts, once set for every transport, made
+    `create_engine` refuse every dispatch there, and each batch waited for the sweep.)"""
+    url = broker_url(None, None, tmp_path)
+    dispatcher = CeleryDispatcher(url)
+    dispatcher.dispatch("batch_x")
+    with sqlite3.connect(tmp_path / "celery-broker.sqlite") as db:
+        payloads = [json.loads(row[0]) for row in db.execute("SELECT payload FROM kombu_message")]
+    assert [p["headers"]["task"] for p in payloads] == [RUN_TASK]
+    assert [p["headers"]["argsrepr"] for p in payloads] == ["['batch_x']"]
