@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from cache.block_pool import BlockPool
 from cache.block_table import BlockTable
 from cache.kv_storage import KVStorage
+from workers.engine.draft_model import cache_keyword
 from workers.models.assets import resolve_model_folder
 from workers.models.loader import load_model
 from workers.paged_step import run_step
@@ -70,18 +71,18 @@ def ours_decode(model, ids: torch.Tensor) -> float:
 @torch.inference_mode()
 def hf_prefill(model, ids: torch.Tensor) -> float:
     start = time.perf_counter()
-    model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    model(ids, **{cache_keyword(model): DynamicCache()}, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
 def hf_decode(model, ids: torch.Tensor) -> float:
-    cache = DynamicCache()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache = {cache_keyword(model): DynamicCache()}
+    out = model(ids, **cache, use_cache=True, logits_to_keep=1)
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(token, **cache, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
 
 

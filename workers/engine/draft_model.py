@@ -17,6 +17,7 @@ Sequences draft one after another: batching the draft across sequences is left f
 
 from __future__ import annotations
 
+import inspect
 import json
 import weakref
 from collections.abc import Sequence as Seq
@@ -78,9 +79,16 @@ def check_draft_folder(folder: Path, target: DraftTarget) -> None:
                                   "a draft model must share the model's tokenizer")
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword a transformers causal LM's `forward` takes its KV cache by: `cache` where it has one
+    (transformers 5.24 deprecates `past_key_values` for it, to be removed in 5.40), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelDrafter:
     def __init__(self, model: Any, max_positions: int) -> None:
         self.model = model  # a transformers causal LM in eval mode
+        self.cache_keyword = cache_keyword(model)
         self.max_positions = max_positions
         self.states: weakref.WeakKeyDictionary[Sequence, _State] = weakref.WeakKeyDictionary()
 
@@ -129,7 +137,7 @@ class ModelDrafter:
         feed = fresh
         while True:
             ids = torch.tensor([feed], dtype=torch.long, device=device)
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.model(input_ids=ids, **{self.cache_keyword: cache}, use_cache=True, logits_to_keep=1).logits
             draft.append(int(logits[0, -1].argmax()))
             if len(draft) == k:
                 return draft
