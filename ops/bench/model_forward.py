@@ -77,12 +77,12 @@ def hf_prefill(model, ids: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def hf_decode(model, ids: torch.Tensor) -> float:
-    cache = {cache_keyword(model): DynamicCache()}
-    out = model(ids, **cache, use_cache=True, logits_to_keep=1)
+    cache_arg = {cache_keyword(model): DynamicCache()}  # the one cache every call below extends
+    out = model(ids, **cache_arg, use_cache=True, logits_to_keep=1)
     start = time.perf_counter()
     for _ in range(DECODE_STEPS):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        out = model(token, **cache, use_cache=True, logits_to_keep=1)
+        out = model(token, **cache_arg, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
 
 
