@@ -74,10 +74,10 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None)
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
-        raise invalid(f"'{name}' must be an integer", name)
+    bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+    if not _is_int(value):  # JSON integers beyond 64 bits arrive as floats: the bound says why they fail
+        raise invalid(f"'{name}' must be an integer {bound}", name)
     if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise invalid(f"'{name}' must be {bound}, got {value}", name)
     return value
 
@@ -228,8 +228,10 @@ def parse_request(kind: GenerationKind, body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
         raise invalid("'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' must be a non-empty string (a model id from GET /v1/models)", "model")
     _refuse_unsupported(kind, body)
     request = GenerationRequest(kind=kind, model=model, sampling=_sampling(body))
     if kind == "chat":

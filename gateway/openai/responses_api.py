@@ -53,12 +53,15 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         return [*messages, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise invalid("'input' must be a string or a non-empty list of items", "input")
+    call_ids: set[str] = set()  # of the function_call items so far: each output must answer one of them
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in INPUT_ROLES:
             messages.append({"role": item["role"], "content": _content(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
+            if isinstance(item.get("call_id"), str):
+                call_ids.add(item["call_id"])
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             last = messages[-1] if messages else None
@@ -70,6 +73,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(output, str):
                 raise invalid("a function_call_output needs 'output' as a string", f"{param}.output")
+            if item.get("call_id") not in call_ids:
+                raise invalid("a function_call_output needs the 'call_id' of an earlier function_call item",
+                              f"{param}.call_id")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         else:
             raise invalid("each input item must be a message (role user, system, developer or assistant), "
@@ -98,6 +104,7 @@ def parse_responses(body: Any) -> GenerationRequest:
     except ApiError as exc:  # name the Responses field, not the chat one it was read as
         if exc.param == "max_completion_tokens":
             exc.param = "max_output_tokens"
+            exc.message = exc.message.replace("'max_completion_tokens'", "'max_output_tokens'")
         elif exc.param is not None and exc.param.startswith("messages"):
             exc.param = "input"
         raise

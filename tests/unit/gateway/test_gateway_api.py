@@ -168,6 +168,18 @@ async def test_bad_parameters_are_400s_naming_the_parameter(setup, fields: dict,
     assert len(worker.requests) == before  # refused before reaching a worker
 
 
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"model": 5}, "'model' must be a non-empty string"),
+    ({"seed": 2**70}, "'seed' must be an integer between"),  # beyond 64 bits: JSON's parser hands over a float
+    ({"seed": 1.5}, "'seed' must be an integer between"),
+])
+async def test_a_refusal_says_what_was_wrong_with_the_value(setup, fields: dict, says: str) -> None:
+    client, auth, _, _ = setup
+    response = await client.post("/v1/chat/completions", headers=auth, json=chat(**fields))
+    assert response.status == 400
+    assert says in (await response.json())["error"]["message"]
+
+
 async def test_client_errors_never_become_500s(setup) -> None:
     client, auth, _, _ = setup
     cases = [

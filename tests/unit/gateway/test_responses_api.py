@@ -67,13 +67,15 @@ async def test_plain_and_streamed_responses_are_metered_with_their_route(setup) 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "1"}]}, "input[1].call_id"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 1}}}},
      "text.format.schema"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input[0].call_id"),
     ({"input": "hi", "n": 2}, "n"),
 ])
 async def test_bad_bodies_are_400s_naming_the_field(setup, body: dict, param: str) -> None:
@@ -83,6 +85,17 @@ async def test_bad_bodies_are_400s_naming_the_field(setup, body: dict, param: st
     assert response.status == 400, await response.text()
     assert (await response.json())["error"]["param"] == param
     assert len(worker.requests) == before
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be at least 1"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "earlier function_call"),
+])
+async def test_refusals_speak_the_responses_api_s_names(setup, body: dict, says: str) -> None:
+    client, auth, _, _ = setup
+    response = await client.post("/v1/responses", headers=auth, json={"model": MODEL, **body})
+    assert response.status == 400
+    assert says in (await response.json())["error"]["message"]
 
 
 async def test_function_call_items_and_their_outputs_become_a_chat_conversation() -> None:
