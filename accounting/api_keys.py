@@ -68,7 +68,7 @@ def create_key(
     `rpm`/`tpm` tighten the tenant's quotas for this key (None = the tenant's value applies).
     """
     if name is not None and len(name) > KEY_NAME_MAX_LENGTH:
-        raise InvalidQuotaError(f"key name is longer than {KEY_NAME_MAX_LENGTH} characters")
+        raise InvalidQuotaError(f"key name is longer than {KEY_NAME_MAX_LENGTH} characters", field="name")
     check_aware("expires_at", expires_at)
     tenant = get_tenant(session, tenant_name)
     return _new_key(session, tenant, name=name, expires_at=expires_at,
@@ -118,7 +118,7 @@ def rotate_key(session: Session, key_id: int, grace_seconds: int) -> tuple[ApiKe
     can switch without downtime. Returns the new row and its plaintext.
     """
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int) or grace_seconds < 0:
-        raise InvalidQuotaError(f"grace_seconds must be 0 or more, got {grace_seconds!r}")
+        raise InvalidQuotaError(f"grace_seconds must be 0 or more, got {grace_seconds!r}", field="grace_seconds")
     old = _get_key(session, key_id)
     now = utcnow()
     if old.revoked_at is not None:

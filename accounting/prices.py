@@ -40,45 +40,47 @@ def to_decimal(field: str, value: object, scale: int = PRICE_SCALE) -> Decimal:
     More places than the column keeps are refused rather than silently rounded.
     """
     if isinstance(value, bool):
-        raise InvalidPriceError(f"{field} must be a number, got {value!r}")
+        raise InvalidPriceError(f"{field} must be a number, got {value!r}", field=field)
     try:
         if isinstance(value, float):
             number = Decimal(repr(value))
         elif isinstance(value, Decimal | int | str):
             number = Decimal(value.strip() if isinstance(value, str) else value)
         else:
-            raise InvalidPriceError(f"{field} must be a number, got {value!r}")
+            raise InvalidPriceError(f"{field} must be a number, got {value!r}", field=field)
     except InvalidOperation as error:
-        raise InvalidPriceError(f"{field} must be a number, got {value!r}") from error
+        raise InvalidPriceError(f"{field} must be a number, got {value!r}", field=field) from error
     if not number.is_finite():
-        raise InvalidPriceError(f"{field} must be a finite number, got {value!r}")
+        raise InvalidPriceError(f"{field} must be a finite number, got {value!r}", field=field)
     if number < 0:
-        raise InvalidPriceError(f"{field} must be 0 or more, got {value}")
+        raise InvalidPriceError(f"{field} must be 0 or more, got {value}", field=field)
     if number.adjusted() >= PRICE_MAX_DIGITS - PRICE_SCALE:
-        raise InvalidPriceError(f"{field} is too large: {value}")
+        raise InvalidPriceError(f"{field} is too large: {value}", field=field)
     quantum = Decimal(1).scaleb(-scale)
     if number != number.quantize(quantum):
-        raise InvalidPriceError(f"{field} has more than {scale} decimal places: {value}")
+        raise InvalidPriceError(f"{field} has more than {scale} decimal places: {value}", field=field)
     return number.quantize(quantum)
 
 
 def parse_when(text: str) -> datetime:
     """An ISO 8601 date ("2026-01-01" = midnight UTC) or datetime (naive = UTC) as an aware UTC datetime."""
     if not isinstance(text, str):
-        raise InvalidPriceError(f"expected an ISO 8601 date or datetime, got {text!r}")
+        raise InvalidPriceError(f"expected an ISO 8601 date or datetime, got {text!r}", field="effective_from")
     try:
         if len(text.strip()) == 10:
             day = date.fromisoformat(text.strip())
             return datetime(day.year, day.month, day.day, tzinfo=UTC)
         when = datetime.fromisoformat(text.strip())
     except ValueError as error:
-        raise InvalidPriceError(f"expected an ISO 8601 date or datetime (YYYY-MM-DD), got {text!r}") from error
+        raise InvalidPriceError(f"expected an ISO 8601 date or datetime (YYYY-MM-DD), got {text!r}",
+                                field="effective_from") from error
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
 
 
 def _check_model(model: object) -> str:
     if not isinstance(model, str) or not model.strip() or len(model) > MODEL_NAME_MAX_LENGTH:
-        raise InvalidPriceError(f"model must be a non-empty name of at most {MODEL_NAME_MAX_LENGTH} characters")
+        raise InvalidPriceError(f"model must be a non-empty name of at most {MODEL_NAME_MAX_LENGTH} characters",
+                                field="model")
     return model
 
 
@@ -106,16 +108,17 @@ def set_price(
         "batch_discount": to_decimal("batch_discount", batch_discount, DISCOUNT_SCALE),
     }
     if values["batch_discount"] > 1:
-        raise InvalidPriceError(f"batch_discount must be a fraction between 0 and 1, got {batch_discount}")
+        raise InvalidPriceError(f"batch_discount must be a fraction between 0 and 1, got {batch_discount}",
+                                field="batch_discount")
     if effective_from is not None and (not isinstance(effective_from, datetime) or effective_from.tzinfo is None):
-        raise InvalidPriceError("effective_from must be a timezone-aware datetime (UTC)")
+        raise InvalidPriceError("effective_from must be a timezone-aware datetime (UTC)", field="effective_from")
     start = (effective_from or utcnow()).astimezone(UTC)
     current = open_price(session, model)
     if current is not None:
         if start < current.effective_from:
             raise InvalidPriceError(
                 f"the current price of {model!r} starts {current.effective_from.isoformat()}; "
-                f"a new price must not start earlier ({start.isoformat()})")
+                f"a new price must not start earlier ({start.isoformat()})", field="effective_from")
         if start == current.effective_from:
             for field, value in values.items():
                 setattr(current, field, value)

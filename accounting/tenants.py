@@ -24,7 +24,11 @@ _TENANT_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_NAME_MAX_LENGTH}}}")
 
 
 class AccountingError(ValueError):
-    """Base of every error caused by bad input to the accounting services."""
+    """Base of every error caused by bad input to the accounting services; `field` names the input at fault."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotFoundError(AccountingError):
@@ -68,33 +72,33 @@ def check_quota(field: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidQuotaError(f"{field} must be a whole number or unlimited, got {value!r}")
+        raise InvalidQuotaError(f"{field} must be a whole number or unlimited, got {value!r}", field=field)
     if not 0 <= value <= MAX_QUOTA:
-        raise InvalidQuotaError(f"{field} must be between 0 and {MAX_QUOTA}, got {value}")
+        raise InvalidQuotaError(f"{field} must be between 0 and {MAX_QUOTA}, got {value}", field=field)
     return value
 
 
 def check_weight(value: object) -> float:
     """A tenant's scheduling weight: a number in (0, MAX_WEIGHT]; InvalidQuotaError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidQuotaError(f"weight must be a number, got {value!r}")
+        raise InvalidQuotaError(f"weight must be a number, got {value!r}", field="weight")
     if not 0 < value <= MAX_WEIGHT:
-        raise InvalidQuotaError(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {value}")
+        raise InvalidQuotaError(f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {value}", field="weight")
     return float(value)
 
 
 def check_tenant_name(name: object) -> str:
     if not isinstance(name, str) or _TENANT_NAME.fullmatch(name) is None:
         raise InvalidQuotaError(
-            f"invalid tenant name {name!r}: use 1-{TENANT_NAME_MAX_LENGTH} letters, digits, '-', '_' or '.'"
-        )
+            f"invalid tenant name {name!r}: use 1-{TENANT_NAME_MAX_LENGTH} letters, digits, '-', '_' or '.'",
+            field="name")
     return name
 
 
 def check_aware(field: str, value: datetime | None) -> datetime | None:
     """`value` (None passes) if it is timezone-aware; InvalidQuotaError otherwise."""
     if value is not None and value.tzinfo is None:
-        raise InvalidQuotaError(f"{field} must be timezone-aware (UTC), got a naive datetime")
+        raise InvalidQuotaError(f"{field} must be timezone-aware (UTC), got a naive datetime", field=field)
     return value
 
 

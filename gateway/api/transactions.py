@@ -21,7 +21,7 @@ async def in_transaction(request: web.Request, work: Callable[[Session], T], *,
     """`work(session)` in one committed transaction, off the event loop.
 
     Not found → 404 (with the error's code, and `not_found_param` as the parameter), an existing
-    tenant → 409, any other accounting error → 400.
+    tenant → 409, any other accounting error → 400 naming the field at fault where it knows it.
     """
     def run() -> T:
         with request.app[SESSIONS]() as session, session.begin():
@@ -34,4 +34,4 @@ async def in_transaction(request: web.Request, work: Callable[[Session], T], *,
     except TenantExistsError as exc:
         raise ApiError(409, str(exc), code="tenant_exists") from exc
     except AccountingError as exc:
-        raise invalid(str(exc)) from exc
+        raise invalid(str(exc), exc.field) from exc

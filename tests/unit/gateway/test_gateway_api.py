@@ -296,6 +296,20 @@ async def test_admin_manages_tenants_and_keys_and_revocation_is_immediate(setup)
     assert (await client.get("/admin/v1/tenants/nobody", headers=ADMIN)).status == 404
 
 
+@pytest.mark.parametrize(("method", "path", "body", "param"), [
+    ("post", "/admin/v1/tenants", {"name": "bad name!"}, "name"),
+    ("post", "/admin/v1/tenants", {"name": "gamma", "tpm": -1}, "tpm"),
+    ("patch", "/admin/v1/tenants/acme", {"rpm": -3}, "rpm"),
+    ("patch", "/admin/v1/tenants/acme", {"max_concurrent": "2"}, "max_concurrent"),
+    ("post", "/admin/v1/keys/1/rotate", {"grace_seconds": -1}, "grace_seconds"),
+])
+async def test_admin_refusals_name_the_field(setup, method: str, path: str, body: dict, param: str) -> None:
+    client, _, _, _ = setup
+    response = await getattr(client, method)(path, headers=ADMIN, json=body)
+    assert response.status == 400, await response.text()
+    assert (await response.json())["error"]["param"] == param
+
+
 
 async def test_structured_requests_send_their_grammar_to_the_worker(setup) -> None:
     client, auth, worker, _ = setup

@@ -108,11 +108,14 @@ async def test_prices(gateway) -> None:
     listed = await (await client.get("/admin/v1/prices", params={"model": "m1"}, headers=ADMIN)).json()
     assert [p["effective_to"] for p in listed["data"]] == ["2026-01-15T00:00:00+00:00", None]
     assert len((await (await client.get("/admin/v1/prices", headers=ADMIN)).json())["data"]) == 3
-    for bad in ({**price, "input_per_mtok": "-1"}, {**price, "batch_discount": 2},
-                {**price, "effective_from": "2026-01-01"}, {**price, "effective_from": "soon"},
-                {**price, "colour": "red"}, {k: v for k, v in price.items() if k != "output_per_mtok"}):
+    for bad, param in (({**price, "input_per_mtok": "-1"}, "input_per_mtok"), ({**price, "batch_discount": 2}, "batch_discount"),
+                       ({**price, "effective_from": "2026-01-01"}, "effective_from"),
+                       ({**price, "effective_from": "soon"}, "effective_from"), ({**price, "model": ""}, "model"),
+                       ({**price, "colour": "red"}, "colour"),
+                       ({k: v for k, v in price.items() if k != "output_per_mtok"}, "output_per_mtok")):
         response = await client.post("/admin/v1/prices", json=bad, headers=ADMIN)
         assert response.status == 400, bad
+        assert (await response.json())["error"]["param"] == param, bad
     assert (await client.post("/admin/v1/prices", json=price, headers=auth["acme"])).status == 401
     assert (await client.get("/admin/v1/prices", headers=auth["acme"])).status == 401
 
