@@ -48,7 +48,12 @@ class Admission:
             await app[QUOTAS].settle(self.ticket, used_tokens)
 
 
-def rejection(reason: str | None, headers: dict[str, str]) -> ApiError:
+def rejection(reason: str | None, headers: dict[str, str], *, reserve: int = 0, tpm: int | None = None) -> ApiError:
+    """The 429 for a refused admission; `tpm` is the tightest tokens-per-minute limit on the caller."""
+    if reason == "tpm" and tpm is not None and reserve > tpm:  # as OpenAI's "Request too large": say the numbers
+        return ApiError(429, f"this request reserves {reserve} tokens (its prompt plus max_tokens × n), more than "
+                        f"the tokens-per-minute limit of {tpm}: it can never be admitted; lower max_tokens",
+                        type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
     if reason == "budget":
         return ApiError(429, "the monthly token budget of this tenant is used up", type="insufficient_quota",
                         code="insufficient_quota", headers=headers)
@@ -83,7 +88,8 @@ async def admit(request: web.Request, caller: Caller, request_id: str, reserve: 
     request[QUOTA_HEADERS_KEY] = decision.headers()
     if not decision.admitted:
         app[METRICS].rejections.labels(record.tenant_name, decision.reason or "rate").inc()
-        raise rejection(decision.reason, decision.headers())
+        tpms = [t for t in (record.tenant_tpm, record.key_tpm) if t is not None]
+        raise rejection(decision.reason, decision.headers(), reserve=reserve, tpm=min(tpms, default=None))
     assert decision.ticket is not None  # an admitted decision carries its ticket
     return Admission(request, decision.ticket)
 

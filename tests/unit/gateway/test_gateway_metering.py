@@ -118,6 +118,16 @@ async def test_a_spent_budget_is_insufficient_quota_and_retrying_cannot_help(aio
     assert (await refused.json())["error"]["type"] == "insufficient_quota"
 
 
+async def test_a_request_larger_than_the_tpm_limit_is_told_it_can_never_fit(aiohttp_client, aiohttp_server,
+                                                                            tmp_path: Path) -> None:
+    client, auth, _ = await gateway_for(aiohttp_client, aiohttp_server, tmp_path, FakeWorker(), tpm=100)
+    refused = await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=500))
+    assert refused.status == 429 and refused.headers["x-should-retry"] == "false"
+    message = (await refused.json())["error"]["message"]
+    assert "tokens-per-minute limit of 100" in message and "lower max_tokens" in message
+    assert (await client.post("/v1/chat/completions", headers=auth, json=chat(max_tokens=10))).status == 200
+
+
 async def test_an_idempotent_retry_gets_the_stored_response_and_is_not_billed_twice(setup) -> None:
     client, auth, worker, _, tmp_path = setup
     headers = {**auth, "Idempotency-Key": "order-42"}
