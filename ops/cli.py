@@ -128,6 +128,9 @@ def generate(
     """Generate a completion offline (no server) and print it."""
     from ops.offline import run_generate
 
+    if not prompt and not chat:  # before the model loads: an empty text has no token to continue
+        raise click.UsageError("PROMPT is empty: give a text to continue (or --chat to send it as a message)")
+
     settings = with_overrides(worker_settings(), quantization, tensor_parallel_size, dtype)
     text = run_generate(
         settings,

@@ -141,6 +141,8 @@ def run_generate(
                           else tokenizer.encode(prompt))
         except ChatTemplateError as exc:
             raise click.ClickException(str(exc)) from exc
+        if not prompt_ids:
+            raise click.UsageError("PROMPT has no tokens: give a text to continue")
         engine = build_engine(loaded, engine_config(settings, dtype), name=model)
         if len(prompt_ids) + max_tokens > engine.max_context:
             raise click.UsageError(

@@ -55,3 +55,12 @@ def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     assert result.stdout == ""
     assert "unknown model 'no-such-model'" in result.stderr
     assert "smollm2-135m-instruct" in result.stderr
+
+
+def test_an_empty_prompt_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [tollway_executable(), "generate", ""],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TOLLWAY_HOME": str(tmp_path)},
+    )
+    assert result.returncode == 2
+    assert "PROMPT is empty" in result.stderr and "Traceback" not in result.stderr
