@@ -3,7 +3,7 @@
 The gateway's quota stores keep a month's spend in memory or Redis; both are seeded from here
 (usage_events, plus usage-spool rows not committed yet) so that a budget spent before a restart,
 or before Redis lost its keys, stays spent. It counts what the budget counts: prompt + completion
-tokens of interactive requests (batch lines do not charge the interactive quotas), by the month
+tokens of every request, batch lines included (they reserve against the budget too), by the month
 their request started in (the month its admission was charged to).
 """
 
@@ -31,15 +31,15 @@ def month_bounds(month: int) -> tuple[datetime, datetime]:
 
 def month_to_date_tokens(session: Session, tenant_id: int, month: int,
                          spooled: Iterable[UsageRecord] = ()) -> int:
-    """Prompt + completion tokens of the tenant's interactive requests started in `month`: the
+    """Prompt + completion tokens of the tenant's requests (batch lines too) started in `month`: the
     committed rows, plus `spooled` rows (the usage spool) that are not committed yet."""
     start, end = month_bounds(month)
     committed: int = session.scalar(
         select(func.coalesce(func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens), 0)).where(
-            UsageEvent.tenant_id == tenant_id, UsageEvent.batch_id.is_(None),
+            UsageEvent.tenant_id == tenant_id,
             UsageEvent.started_at >= start, UsageEvent.started_at < end)) or 0
     pending = {r.request_id: r for r in spooled
-               if r.tenant_id == tenant_id and r.batch_id is None and start <= r.started_at < end}
+               if r.tenant_id == tenant_id and start <= r.started_at < end}
     if pending:
         present = set(session.scalars(select(UsageEvent.request_id).where(UsageEvent.request_id.in_(pending))))
         committed += sum(r.prompt_tokens + r.completion_tokens for rid, r in pending.items() if rid not in present)

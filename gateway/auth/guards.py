@@ -40,6 +40,7 @@ class Caller:
     key_id: int | None
     record: AuthRecord | None = None  # a tenant key's record (its quotas); None for a batch line
     batch_id: str | None = None  # a batch runner's line: billed at the batch price, no interactive quotas
+    batch_budget: int | None = None  # a batch line's tenant's monthly token budget (None: unlimited)
     weight: float = 1.0  # the tenant's scheduling weight (sent to the worker with each request)
 
     @classmethod
@@ -66,7 +67,7 @@ def tenant_or_batch_line(handler: Handler) -> Handler:
             batch = await batch_caller(request)
             if batch is not None:
                 caller = Caller(batch.tenant_id, batch.tenant_name, batch.key_id, batch_id=batch.batch_id,
-                                weight=batch.weight)
+                                batch_budget=batch.monthly_token_budget, weight=batch.weight)
             else:
                 caller = Caller.of_key(await request.app[AUTH].authenticate(bearer_token(request)))
         request[CALLER] = caller

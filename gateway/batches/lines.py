@@ -6,7 +6,9 @@ from the batch row, not from the caller; the batch must be `in_progress` or `can
 flight when a cancel arrives finish). Such a request runs at the worker's `batch` priority, is
 metered with the batch id (so billing applies the batch price), and is not charged to the tenant's
 interactive quotas (rpm, tpm, concurrency): batches are bounded by the queued batch-token limit at
-creation instead. A tenant disabled meanwhile gets its lines refused (403).
+creation instead. The tenant's monthly token budget does govern them: each line reserves against it, and
+a line it cannot fit is answered 429 `insufficient_quota` (the runner records it as the line's error).
+A tenant disabled meanwhile gets its lines refused (403).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class BatchCaller:
     key_id: int | None
     tenant_name: str = ""
     weight: float = 1.0  # the tenant's scheduling weight
+    monthly_token_budget: int | None = None  # the tenant's: a line reserves against it (gateway/quotas/admission.py)
 
 
 async def batch_caller(request: web.Request) -> BatchCaller | None:
@@ -56,6 +59,7 @@ async def batch_caller(request: web.Request) -> BatchCaller | None:
                            code="batch_not_running")
         if batch.endpoint != request.path:
             raise ApiError(400, f"batch {batch_id} runs {batch.endpoint}, not {request.path}", code="wrong_endpoint")
-        return BatchCaller(batch.id, batch.tenant_id, batch.key_id, tenant.name, tenant.weight)
+        return BatchCaller(batch.id, batch.tenant_id, batch.key_id, tenant.name, tenant.weight,
+                           tenant.monthly_token_budget)
 
     return await in_transaction(request, lookup)

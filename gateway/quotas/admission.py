@@ -3,8 +3,9 @@ settled to what it used once it ends.
 
 A tenant-key request reserves prompt + max_tokens × n tokens (rpm, tpm, concurrency and the
 monthly budget checked and charged at once, gateway/quotas/store.py); a refusal is a 429 (or a 503
-when the quota store is unreachable in closed mode). Batch lines skip the interactive quotas (see
-gateway/batches/lines.py). The x-ratelimit-* headers of the decision go on every response of an
+when the quota store is unreachable in closed mode). A batch line (gateway/batches/lines.py) skips the
+interactive quotas but not the monthly budget: it reserves against the budget alone (a budget-only
+admission), so a tenant's batches and interactive requests share one budget. The x-ratelimit-* headers of the decision go on every response of an
 admitted or refused request (`add_quota_headers`, an on_response_prepare hook).
 """
 
@@ -64,21 +65,25 @@ def rejection(reason: str | None, headers: dict[str, str], *, reserve: int = 0, 
 
 
 async def admit(request: web.Request, caller: Caller, request_id: str, reserve: int) -> Admission | None:
-    """Charge the caller's interactive quotas (None for a batch line: nothing to charge); a 429
-    (or 503) when they refuse."""
+    """Charge the caller's quotas: a tenant key's every limit, a batch line's monthly budget alone (None:
+    nothing to charge, a batch line of a tenant without a budget); a 429 (or 503) when they refuse."""
     record = caller.record
-    if record is None:
-        return None
-    limits = Limits(record.tenant_rpm, record.tenant_tpm, record.max_concurrent, record.monthly_token_budget)
     key = None
-    if record.key_rpm is not None or record.key_tpm is not None:
-        key = KeyScope(f"key:{record.key_id}", record.key_rpm, record.key_tpm)
+    if record is None:
+        if caller.batch_budget is None:
+            return None
+        limits = Limits(monthly_token_budget=caller.batch_budget)
+    else:
+        limits = Limits(record.tenant_rpm, record.tenant_tpm, record.max_concurrent, record.monthly_token_budget)
+        if record.key_rpm is not None or record.key_tpm is not None:
+            key = KeyScope(f"key:{record.key_id}", record.key_rpm, record.key_tpm)
     app = request.app
     with app[TRACING].span("gateway.quota.admit", {"tollway.quota.reserved_tokens": reserve}) as span:
         try:
-            decision = await app[QUOTAS].admit(tenant_scope(record.tenant_id), limits, request_id, reserve, key=key)
+            decision = await app[QUOTAS].admit(tenant_scope(caller.tenant_id), limits, request_id, reserve, key=key,
+                                               budget_only=record is None)
         except QuotaUnavailable as exc:
-            app[METRICS].rejections.labels(record.tenant_name, "unavailable").inc()
+            app[METRICS].rejections.labels(caller.tenant_name, "unavailable").inc()
             raise ApiError(503, "quota service unavailable; retry shortly", code="quota_unavailable",
                            headers={"Retry-After": "1"}) from exc
         if span is not None:
@@ -87,8 +92,8 @@ async def admit(request: web.Request, caller: Caller, request_id: str, reserve: 
                 span.set_attribute("tollway.quota.reason", decision.reason)
     request[QUOTA_HEADERS_KEY] = decision.headers()
     if not decision.admitted:
-        app[METRICS].rejections.labels(record.tenant_name, decision.reason or "rate").inc()
-        tpms = [t for t in (record.tenant_tpm, record.key_tpm) if t is not None]
+        app[METRICS].rejections.labels(caller.tenant_name, decision.reason or "rate").inc()
+        tpms = [t for t in (record.tenant_tpm, record.key_tpm) if t is not None] if record is not None else []
         raise rejection(decision.reason, decision.headers(), reserve=reserve, tpm=min(tpms, default=None))
     assert decision.ticket is not None  # an admitted decision carries its ticket
     return Admission(request, decision.ticket)

@@ -58,12 +58,12 @@ class FailoverQuotaStore:
 
     async def admit(
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
-        key: KeyScope | None = None,
+        key: KeyScope | None = None, budget_only: bool = False,
     ) -> Decision:
         """Admit on Redis, or by the policy while Redis is unreachable."""
         if not self.degraded:
             try:
-                decision = await self.primary.admit(scope, limits, request_id, reserve_tokens, now, key)
+                decision = await self.primary.admit(scope, limits, request_id, reserve_tokens, now, key, budget_only)
             except CONNECTION_ERRORS as exc:
                 self._mark_down(exc)
             else:
@@ -73,7 +73,7 @@ class FailoverQuotaStore:
                 return decision
         if self.mode == "closed":
             raise QuotaUnavailable("the quota store is unreachable")
-        return await self.fallback.admit(scope, limits, request_id, reserve_tokens, now, key)
+        return await self.fallback.admit(scope, limits, request_id, reserve_tokens, now, key, budget_only)
 
     async def settle(self, ticket: Ticket, actual_tokens: int, now: float | None = None) -> None:
         """Settle with the store that issued the ticket."""

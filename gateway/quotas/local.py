@@ -54,9 +54,9 @@ class LocalQuotaStore:
 
     async def admit(
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
-        key: KeyScope | None = None,
+        key: KeyScope | None = None, budget_only: bool = False,
     ) -> Decision:
-        """Check and charge every limit of `scope` (and `key`) at once. The only await is the month's
+        """Check and charge every limit of `scope` (and `key`) at once (`budget_only`: the budget alone). The only await is the month's
         budget seeding, before any counter is read: what follows is atomic on the loop."""
         check_admission(scope, reserve_tokens)
         now = time.time() if now is None else now
@@ -76,7 +76,7 @@ class LocalQuotaStore:
             key is not None and key_usage is not None and refusal(key.limits, reserve_tokens, key_usage) is not None)
         ticket = None
         if not refused:
-            for charged in (state, key_state):
+            for charged in (state, key_state) if not budget_only else ():
                 if charged is not None:
                     charged.requests[second] = charged.requests.get(second, 0) + 1
                     charged.tokens[second] = charged.tokens.get(second, 0) + reserve_tokens
@@ -84,11 +84,11 @@ class LocalQuotaStore:
             # Keep this month and the last (a ticket admitted before the rollover may still settle).
             for old in [m for m in state.budget if m < previous_month(month)]:
                 del state.budget[old]
-            holds_slot = limits.max_concurrent is not None
+            holds_slot = limits.max_concurrent is not None and not budget_only
             if holds_slot:
                 state.leases[request_id] = now + self._lease_s
             ticket = Ticket(scope, request_id, reserve_tokens, second, month, holds_slot, self.origin,
-                            key.name if key is not None else None)
+                            key.name if key is not None else None, budget_only)
         decision = decide(limits, reserve_tokens, usage, ticket)
         if key is not None and key_usage is not None:
             decision = merge(decision, decide(key.limits, reserve_tokens, key_usage, ticket))
@@ -135,7 +135,7 @@ class LocalQuotaStore:
         if delta == 0:
             return
         key_state = self._scopes.get(f"{ticket.scope}:{ticket.key}") if ticket.key is not None else None
-        for charged in (state, key_state):
+        for charged in (state, key_state) if not ticket.budget_only else ():
             if charged is None:
                 continue
             window(charged.tokens, now, 0, None)  # prune, so that a bucket out of the window is not revived

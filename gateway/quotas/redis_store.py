@@ -109,10 +109,11 @@ class RedisQuotaStore:
 
     async def admit(
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
-        key: KeyScope | None = None,
+        key: KeyScope | None = None, budget_only: bool = False,
     ) -> Decision:
         """Check and charge every limit of `scope` (and `key`) in one Lua script (atomic across
-        replicas); first, once per month and scope, seed the month's budget counter."""
+        replicas); first, once per month and scope, seed the month's budget counter. `budget_only`:
+        the budget alone (the store's module says)."""
         check_admission(scope, reserve_tokens)
         key_name = key.name if key is not None else "-"
         keys = [self.key(scope, "rq"), self.key(scope, "tk"), self.key(scope, "lease"), self.key(scope, "budget"),
@@ -122,6 +123,7 @@ class RedisQuotaStore:
             "" if now is None else repr(float(now)), WINDOW_S, _arg(limits.rpm), _arg(limits.tpm),
             _arg(limits.max_concurrent), _arg(limits.monthly_token_budget), request_id, reserve_tokens, self._lease_s,
             int(need_seed), _arg(key.rpm if key else None), _arg(key.tpm if key else None), int(key is not None),
+            int(budget_only),
         ]
         reply = await self._run(self._admit, keys, args)
         if int(reply[0]) == -1:  # the month's budget is unknown here: seed it, then decide
@@ -138,7 +140,7 @@ class RedisQuotaStore:
         ticket = None
         if int(admitted):
             ticket = Ticket(scope, request_id, reserve_tokens, usage.second, usage.month, bool(int(holds)), self.origin,
-                            key.name if key is not None else None)
+                            key.name if key is not None else None, budget_only)
         decision = decide(limits, reserve_tokens, usage, ticket)
         if key is not None:
             key_usage = replace(usage, requests_used=int(kr_used), requests_wait_s=float(kr_wait),
@@ -169,7 +171,7 @@ class RedisQuotaStore:
         args: list[str | int | float] = [
             "" if now is None else repr(float(now)), WINDOW_S, ticket.request_id,
             actual_tokens - ticket.reserved_tokens, ticket.second, ticket.month, int(ticket.holds_slot),
-            int(ticket.key is not None),
+            int(ticket.key is not None), int(ticket.budget_only),
         ]
         await self._run(self._settle, keys, args)
 

@@ -27,6 +27,9 @@ Semantics every store implements (the shared suite tests/unit/gateway/test_quota
   the store has a `BudgetSource` (the gateway's reads usage_events and the usage spool): so a
   budget spent before a restart of the gateway, or before Redis lost its keys, stays spent. A
   source that fails refuses scopes with a budget (QuotaUnavailable) and lets the others through.
+- a *budget-only* admission (`budget_only=True`: a batch line, which the interactive rpm / tpm /
+  concurrency do not govern) checks and charges the month's budget alone: no window counter moves,
+  no slot is held, and its settle corrects the budget only.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Ticket:
     holds_slot: bool  # whether it holds a concurrency slot (only when max_concurrent is set)
     origin: str = ""  # the store that issued it ("local" / "redis"): settle goes back there
     key: str | None = None  # the KeyScope it was also charged to
+    budget_only: bool = False  # charged to the month's budget alone (a batch line): settle leaves the windows
 
 
 @dataclass(frozen=True)
@@ -157,9 +161,10 @@ class QuotaStore(Protocol):
 
     async def admit(
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
-        key: KeyScope | None = None,
+        key: KeyScope | None = None, budget_only: bool = False,
     ) -> Decision:
-        """Check every limit of `scope` (and of `key`) and, only if all pass, charge them all atomically.
+        """Check every limit of `scope` (and of `key`) and, only if all pass, charge them all atomically
+        (`budget_only`: the month's budget alone, as the module says).
 
         `now` (epoch seconds) is for tests; None means the store's clock."""
         ...

@@ -121,3 +121,56 @@ def test_a_killed_celery_worker_loses_and_repeats_nothing(tmp_path: Path, redis_
                 except subprocess.TimeoutExpired:
                     worker.kill()
         cluster.stop()
+
+
+def test_a_batch_stops_spending_at_the_tenants_monthly_budget(tmp_path: Path, redis_url: str,
+                                                             postgres_schema: tuple[str, str]) -> None:
+    """Lines reserve against the budget on the Redis quota store: those it cannot fit end in the error
+    file as insufficient_quota (not retried), and the month's tokens stay within the budget."""
+    database_url, _ = postgres_schema
+    key = prepare_tenant(database_url)
+    cluster = Cluster.start(tmp_path, database_url, TOLLWAY_REDIS_URL=redis_url,
+                            TOLLWAY_QUOTA_PREFIX=f"test-{uuid.uuid4().hex[:8]}")
+    worker: subprocess.Popen[bytes] | None = None
+    total = 20
+
+    def line(i: int) -> dict:
+        return {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": f"q{i % 10}"}]}
+
+    try:
+        base = cluster.start_gateway()
+        probe = json.loads(http("POST", f"{base}/v1/chat/completions", key, json.dumps(line(0)).encode()))
+        reserve = probe["usage"]["prompt_tokens"] + 3  # what each line reserves (its prompt + max_tokens)
+        budget = probe["usage"]["total_tokens"] + 6 * reserve  # six lines fit whatever they settle to
+        http("PATCH", f"{base}/admin/v1/tenants/acme", "tw-admin-test",
+             json.dumps({"monthly_token_budget": budget}).encode())
+        lines = b"".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": line(i)}).encode() + b"\n" for i in range(total))
+        body = json.dumps({"input_file_id": upload(base, key, lines), "endpoint": "/v1/chat/completions",
+                           "completion_window": "24h"}).encode()
+        batch_id = json.loads(http("POST", f"{base}/v1/batches", key, body))["id"]
+        worker = start_celery(cluster, base, "budget")
+        batch = wait_batch(base, key, batch_id, lambda b: b["status"] not in ("validating", "in_progress",
+                                                                             "finalizing"), 90)
+        counts = batch["request_counts"]
+        assert batch["status"] == "completed" and counts["total"] == total, batch
+        assert 6 <= counts["completed"] < total and counts["completed"] + counts["failed"] == total
+        errors = [json.loads(e) for e in
+                  http("GET", f"{base}/v1/files/{batch['error_file_id']}/content", key).splitlines()]
+        assert len(errors) == counts["failed"]
+        assert all(e["response"]["status_code"] == 429 and
+                   e["response"]["body"]["error"]["code"] == "insufficient_quota" for e in errors)
+        engine = create_engine(database_url)
+        with engine.connect() as connection:
+            spent = connection.execute(text("SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) "
+                                            "FROM usage_events")).scalar_one()
+        engine.dispose()
+        assert spent <= budget
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+            try:
+                worker.wait(20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        cluster.stop()

@@ -86,8 +86,8 @@ async def send_line(session: aiohttp.ClientSession, gateway_url: str, endpoint: 
             if answer.status == 401:
                 raise Unavailable("the gateway refused the runner's admin key")
             in_use = answer.status == 409 and code == "idempotency_key_in_use"  # an earlier attempt still runs
-            if answer.status not in RETRYABLE_STATUSES and not in_use:
-                return answer
+            if (answer.status not in RETRYABLE_STATUSES and not in_use) or code == "insufficient_quota":
+                return answer  # (the tenant's monthly budget cannot fit the line: waiting does not help)
             if answer.status in (500, 502, 504):
                 errors += 1
                 if errors >= MAX_ERROR_ATTEMPTS:

@@ -2,10 +2,12 @@
 -- The same rules as gateway/quotas/rules.py's window / refusal (the shared test suite holds both to them).
 -- KEYS: requests hash, tokens hash, leases zset, budget hash, seeded-months hash, the key's requests
 -- and tokens hashes. ARGV[3..]: rpm, tpm, max_concurrent, budget (-1 = unlimited), request id,
--- reserve, lease seconds, require a seeded month (1/0), key rpm, key tpm, has a key (1/0).
+-- reserve, lease seconds, require a seeded month (1/0), key rpm, key tpm, has a key (1/0), budget only (1/0:
+-- a batch line, which charges the month's budget and no window counter or slot).
 local rpm, tpm, maxc, budget = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local rid, reserve, lease = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local need_seed, key_rpm, key_tpm, has_key = ARGV[10] == '1', tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1'
+local budget_only = ARGV[14] == '1'
 
 local function window(key, extra, limit)
   local flat = redis.call('HGETALL', key)
@@ -65,15 +67,17 @@ local refused = (budget >= 0 and spent + reserve > budget) or (rpm >= 0 and r_us
   or (has_key and ((key_rpm >= 0 and kr_used + 1 > key_rpm) or (key_tpm >= 0 and kt_used + reserve > key_tpm)))
 local holds = 0
 if not refused then
-  redis.call('HINCRBY', KEYS[1], sec, 1)
-  redis.call('EXPIRE', KEYS[1], 2 * win)
-  redis.call('HINCRBY', KEYS[2], sec, reserve)
-  redis.call('EXPIRE', KEYS[2], 2 * win)
-  if has_key then
-    redis.call('HINCRBY', KEYS[6], sec, 1)
-    redis.call('EXPIRE', KEYS[6], 2 * win)
-    redis.call('HINCRBY', KEYS[7], sec, reserve)
-    redis.call('EXPIRE', KEYS[7], 2 * win)
+  if not budget_only then
+    redis.call('HINCRBY', KEYS[1], sec, 1)
+    redis.call('EXPIRE', KEYS[1], 2 * win)
+    redis.call('HINCRBY', KEYS[2], sec, reserve)
+    redis.call('EXPIRE', KEYS[2], 2 * win)
+    if has_key then
+      redis.call('HINCRBY', KEYS[6], sec, 1)
+      redis.call('EXPIRE', KEYS[6], 2 * win)
+      redis.call('HINCRBY', KEYS[7], sec, reserve)
+      redis.call('EXPIRE', KEYS[7], 2 * win)
+    end
   end
   redis.call('HINCRBY', KEYS[4], month, reserve)
   redis.call('EXPIRE', KEYS[4], 70 * 86400)
@@ -81,7 +85,7 @@ if not refused then
   for _, m in ipairs(redis.call('HKEYS', KEYS[4])) do
     if tonumber(m) < prev then redis.call('HDEL', KEYS[4], m) end
   end
-  if maxc >= 0 then
+  if maxc >= 0 and not budget_only then
     redis.call('ZADD', KEYS[3], string.format('%.17g', now + lease), rid)
     redis.call('EXPIRE', KEYS[3], math.ceil(lease) + win)
     holds = 1

@@ -49,12 +49,13 @@ def test_committed_and_spooled_rows_of_the_month_count_once(session: Session, tm
     insert_records(session.connection(), [
         row("a", november), row("b", november, completion=20),
         row("old", october), row("theirs", november, tenant_id=2),
-        row("batch-line", november, batch_id="batch_1"),  # batch lines do not charge interactive budgets
+        row("batch-line", november, batch_id="batch_1"),  # batch lines reserve against the budget too
     ])
     session.commit()
-    assert month_to_date_tokens(session, 1, 202611) == 15 + 30
-    spooled = [row("b", november, completion=20), row("c", november, prompt=100, completion=0)]  # b is committed
-    assert month_to_date_tokens(session, 1, 202611, spooled) == 15 + 30 + 100
+    assert month_to_date_tokens(session, 1, 202611) == 15 + 30 + 15
+    spooled = [row("b", november, completion=20), row("c", november, prompt=100, completion=0),  # b is committed
+               row("d", november, batch_id="batch_1", prompt=7, completion=0)]
+    assert month_to_date_tokens(session, 1, 202611, spooled) == 15 + 30 + 15 + 100 + 7
     assert month_to_date_tokens(session, 1, 202610) == 15
 
 

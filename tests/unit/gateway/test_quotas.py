@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -172,6 +173,25 @@ async def test_the_monthly_budget_reserves_settles_and_rolls_over(store: QuotaSt
     assert not (await admit(store, limits, reserve=1, now=end_of_january + 41)).admitted
     assert not (await admit(store, limits, reserve=251, now=end_of_january - 86400)).admitted
     assert (await admit(store, limits, reserve=250, now=end_of_january - 86400)).admitted
+
+
+@pytest.mark.asyncio
+async def test_a_budget_only_admission_charges_the_budget_and_nothing_else(store: QuotaStore) -> None:
+    """A batch line: the tenant's month budget governs it, its rpm / tpm / concurrency do not."""
+    limits = Limits(rpm=1, tpm=100, max_concurrent=1, monthly_token_budget=1000)
+    line = await store.admit("t:1", Limits(monthly_token_budget=1000), "line-1", 600, T0, budget_only=True)
+    line_ticket = ticket_of(line)
+    assert line_ticket.budget_only and not line_ticket.holds_slot
+    assert line.headers() == {}  # no interactive limit applies to it: no x-ratelimit headers
+    interactive = ticket_of(await admit(store, limits, reserve=90))  # the line took no request, token or slot
+    assert interactive.second == math.floor(T0)
+    assert (await admit(store, Limits(monthly_token_budget=1000), reserve=311)).reason == "budget"  # 600 + 90
+    await store.settle(line_ticket, 200, now=T0 + 1)  # 400 of the line's 600 come back: 290 spent
+    assert (await admit(store, Limits(tpm=100, monthly_token_budget=1000), reserve=11)).reason == "tpm"  # 90 + 11
+    refused = await store.admit("t:1", Limits(monthly_token_budget=1000), "line-2", 711, T0 + 2, budget_only=True)
+    assert (refused.reason, refused.should_retry, refused.error_type) == ("budget", False, "insufficient_quota")
+    assert (await store.admit("t:1", Limits(monthly_token_budget=1000), "line-3", 710, T0 + 2,
+                              budget_only=True)).admitted
 
 
 @pytest.mark.asyncio

@@ -61,6 +61,12 @@ async def test_a_client_error_is_final(aiohttp_server) -> None:
     assert (await send(url)).status == 400 and len(seen) == 1
 
 
+async def test_a_spent_monthly_budget_is_final(aiohttp_server) -> None:
+    url, seen = await scripted(aiohttp_server, [error(429, "insufficient_quota"), ok({})])
+    answer = await send(url)
+    assert answer.status == 429 and answer.body["error"]["code"] == "insufficient_quota" and len(seen) == 1
+
+
 async def test_busy_and_in_use_answers_are_retried_until_a_final_one(aiohttp_server) -> None:
     url, seen = await scripted(aiohttp_server, [error(503), error(429), error(409, "idempotency_key_in_use"),
                                                 ok({"id": "cmpl-2"})])
