@@ -103,8 +103,7 @@ async def generation(request: web.Request, kind: GenerationKind, route: str) -> 
         finally:
             in_flight.dec()
             metrics.answering -= 1
-            if admission is not None:
-                await admission.settle(meter.total_tokens())
+            await admission.settle(meter.total_tokens())
     finally:
         if claim is not None:  # a no-op when the response was stored with the usage row
             await idempotency.release(request, claim)

@@ -64,14 +64,13 @@ def rejection(reason: str | None, headers: dict[str, str], *, reserve: int = 0, 
                     headers=headers)
 
 
-async def admit(request: web.Request, caller: Caller, request_id: str, reserve: int) -> Admission | None:
-    """Charge the caller's quotas: a tenant key's every limit, a batch line's monthly budget alone (None:
-    nothing to charge, a batch line of a tenant without a budget); a 429 (or 503) when they refuse."""
+async def admit(request: web.Request, caller: Caller, request_id: str, reserve: int) -> Admission:
+    """Charge the caller's quotas: a tenant key's every limit, a batch line's monthly budget alone (counted
+    even where the tenant has no budget, so that one set later starts from the month's real spend); a 429
+    (or 503) when they refuse."""
     record = caller.record
     key = None
     if record is None:
-        if caller.batch_budget is None:
-            return None
         limits = Limits(monthly_token_budget=caller.batch_budget)
     else:
         limits = Limits(record.tenant_rpm, record.tenant_tpm, record.max_concurrent, record.monthly_token_budget)

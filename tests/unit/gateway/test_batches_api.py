@@ -234,9 +234,13 @@ async def test_batch_lines_run_at_batch_priority_billed_to_the_batch_outside_rpm
 async def test_batch_lines_reserve_against_the_tenants_monthly_budget(env: Env) -> None:
     _, batch = await env.create(await env.upload())
     env.db(update(Batch).where(Batch.id == batch["id"]).values(status="in_progress"))
-    assert (await env.client.post("/v1/chat/completions", **batch_line(batch["id"]))).status == 200  # no budget yet
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert (await env.client.post("/v1/chat/completions", json=chat, headers=env.acme)).status == 200  # month seeded
+    # No budget yet: the line is still counted, so that a budget set later starts from the month's real spend.
+    assert (await env.client.post("/v1/chat/completions", **batch_line(batch["id"]))).status == 200
     [first] = env.db(select(UsageEvent).where(UsageEvent.batch_id == batch["id"]))
-    spent, reserve = first.prompt_tokens + first.completion_tokens, first.prompt_tokens + 3  # max_tokens 3
+    spent = sum(r.prompt_tokens + r.completion_tokens for r in env.db(select(UsageEvent)))
+    reserve = first.prompt_tokens + 3  # max_tokens 3
     budget = await env.client.patch("/admin/v1/tenants/acme", headers={"Authorization": f"Bearer {ADMIN}"},
                                     json={"monthly_token_budget": spent + reserve})  # drops cached keys too
     assert budget.status == 200, await budget.text()
@@ -248,7 +252,6 @@ async def test_batch_lines_reserve_against_the_tenants_monthly_budget(env: Env) 
     assert third.status == 429 and third.headers["x-should-retry"] == "false"
     assert (await third.json())["error"]["code"] == "insufficient_quota"
     assert len(env.worker.requests) == sent  # refused before any worker
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     interactive = await env.client.post("/v1/chat/completions", json=chat, headers=env.acme)
     assert interactive.status == 429  # the batch lines spent the budget the tenant's own requests share
     assert (await interactive.json())["error"]["code"] == "insufficient_quota"
