@@ -5,8 +5,9 @@ A tenant-key request reserves prompt + max_tokens × n tokens (rpm, tpm, concurr
 monthly budget checked and charged at once, gateway/quotas/store.py); a refusal is a 429 (or a 503
 when the quota store is unreachable in closed mode). A batch line (gateway/batches/lines.py) skips the
 interactive quotas but not the monthly budget: it reserves against the budget alone (a budget-only
-admission), so a tenant's batches and interactive requests share one budget. The x-ratelimit-* headers of the decision go on every response of an
-admitted or refused request (`add_quota_headers`, an on_response_prepare hook).
+admission), so a tenant's batches and interactive requests share one budget. The x-ratelimit-*
+headers of the decision go on every response of an admitted or refused request (`add_quota_headers`,
+an on_response_prepare hook).
 """
 
 from __future__ import annotations

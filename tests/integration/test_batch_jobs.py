@@ -51,6 +51,15 @@ def start_celery(cluster: Cluster, gateway: str, name: str, *extra: str, **env: 
         stdout=log, stderr=subprocess.STDOUT)
 
 
+def stop_celery(worker: subprocess.Popen[bytes]) -> None:
+    if worker.poll() is None:
+        worker.terminate()
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+
+
 def wait_batch(base: str, key: str, batch_id: str, done, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -114,12 +123,7 @@ def test_a_killed_celery_worker_loses_and_repeats_nothing(tmp_path: Path, redis_
         assert len(rows) - len(answered) <= 4  # at most one per line in flight (concurrency 4)
     finally:
         for worker in workers:
-            if worker.poll() is None:
-                worker.terminate()
-                try:
-                    worker.wait(20)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
+            stop_celery(worker)
         cluster.stop()
 
 
@@ -167,10 +171,6 @@ def test_a_batch_stops_spending_at_the_tenants_monthly_budget(tmp_path: Path, re
         engine.dispose()
         assert spent <= budget
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.terminate()
-            try:
-                worker.wait(20)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        if worker is not None:
+            stop_celery(worker)
         cluster.stop()
