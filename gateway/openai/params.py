@@ -74,12 +74,12 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int | None = None)
     value = body.get(name)
     if value is None:
         return None
+    if _is_int(value) and value >= low and (high is None or value <= high):
+        return value
     bound = f"between {low} and {high}" if high is not None else f"at least {low}"
     if not _is_int(value):  # JSON integers beyond 64 bits arrive as floats: the bound says why they fail
         raise invalid(f"'{name}' must be an integer {bound}", name)
-    if value < low or (high is not None and value > high):
-        raise invalid(f"'{name}' must be {bound}, got {value}", name)
-    return value
+    raise invalid(f"'{name}' must be {bound}, got {value}", name)
 
 
 def _boolean(body: dict[str, Any], name: str) -> bool:

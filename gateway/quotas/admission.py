@@ -90,11 +90,11 @@ async def admit(request: web.Request, caller: Caller, request_id: str, reserve: 
             span.set_attribute("tollway.quota.admitted", decision.admitted)
             if decision.reason:
                 span.set_attribute("tollway.quota.reason", decision.reason)
-    request[QUOTA_HEADERS_KEY] = decision.headers()
+    headers = request[QUOTA_HEADERS_KEY] = decision.headers()
     if not decision.admitted:
         app[METRICS].rejections.labels(caller.tenant_name, decision.reason or "rate").inc()
-        tpms = [t for t in (record.tenant_tpm, record.key_tpm) if t is not None] if record is not None else []
-        raise rejection(decision.reason, decision.headers(), reserve=reserve, tpm=min(tpms, default=None))
+        tpms = [t for t in (limits.tpm, key.tpm if key is not None else None) if t is not None]
+        raise rejection(decision.reason, headers, reserve=reserve, tpm=min(tpms, default=None))
     assert decision.ticket is not None  # an admitted decision carries its ticket
     return Admission(request, decision.ticket)
 

@@ -56,8 +56,9 @@ class LocalQuotaStore:
         self, scope: str, limits: Limits, request_id: str, reserve_tokens: int, now: float | None = None,
         key: KeyScope | None = None, budget_only: bool = False,
     ) -> Decision:
-        """Check and charge every limit of `scope` (and `key`) at once (`budget_only`: the budget alone). The only await is the month's
-        budget seeding, before any counter is read: what follows is atomic on the loop."""
+        """Check and charge every limit of `scope` (and `key`) at once (`budget_only`: the budget alone).
+        The only await is the month's budget seeding, before any counter is read: what follows is atomic
+        on the loop."""
         check_admission(scope, reserve_tokens)
         now = time.time() if now is None else now
         second = math.floor(now)
@@ -76,7 +77,8 @@ class LocalQuotaStore:
             key is not None and key_usage is not None and refusal(key.limits, reserve_tokens, key_usage) is not None)
         ticket = None
         if not refused:
-            for charged in (state, key_state) if not budget_only else ():
+            windowed = () if budget_only else (state, key_state)  # whose rpm / tpm windows are charged
+            for charged in windowed:
                 if charged is not None:
                     charged.requests[second] = charged.requests.get(second, 0) + 1
                     charged.tokens[second] = charged.tokens.get(second, 0) + reserve_tokens
@@ -135,7 +137,8 @@ class LocalQuotaStore:
         if delta == 0:
             return
         key_state = self._scopes.get(f"{ticket.scope}:{ticket.key}") if ticket.key is not None else None
-        for charged in (state, key_state) if not ticket.budget_only else ():
+        windowed = () if ticket.budget_only else (state, key_state)
+        for charged in windowed:
             if charged is None:
                 continue
             window(charged.tokens, now, 0, None)  # prune, so that a bucket out of the window is not revived
