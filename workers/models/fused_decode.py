@@ -26,6 +26,7 @@ tokens equal the eager path's (exactly in fp32 up to summation order; see tests)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -66,20 +67,25 @@ BF16_TILES_MAX_CONTEXT = 2048
 (kernels/cpu/native/paged_prefill_bf16.h: runs of a sequence's consecutive tokens). One fresh sequence, 9 query /
 3 KV heads of 64, on a 2-core Zen 4 EPYC: 1.38 / 2.52 / 4.68 / 10.1 / 18.8 ms at 512 / 768 / 1,024 / 1,536 /
 2,048 tokens against 4.27 / 6.83 / 12.1 / 23.9 / 40.3 ms for torch's flash SDPA (bf16, causal); longer not
-measured (`ops/bench/paged_decode.py --against-sdpa`, ops/bench/RESULTS.md). Not on a CPU with AMX-BF16, where
-torch's flash SDPA multiplies its bf16 blocks on AMX tiles: on a 2-core Emerald Rapids Xeon it took 0.53 / 0.40 /
-0.31 / 0.34 of the tiles' time at 380 / 768 / 1,024 / 2,048 tokens, and the engine's prefill of 600- and
-1,500-token prompts ran 1.16x and 1.60x faster at ROWS_ATTENTION_MAX_CONTEXT than at this bound."""
+measured (`ops/bench/paged_decode.py --against-sdpa`, ops/bench/RESULTS.md). On a CPU with AMX-BF16 only where the tiles
+take their products on AMX too (paged_prefill_amx.h: head dims of whole 64s, TOLLWAY_PREFILL_PRODUCTS not `bf16`):
+torch's flash SDPA multiplies its bf16 blocks on AMX tiles, and on a 2-core Emerald Rapids Xeon it took 0.53 / 0.40
+/ 0.31 / 0.34 of the vdpbf16ps tiles' time at 380 / 768 / 1,024 / 2,048 tokens; with the AMX tiles the engine's
+prefill of 600-, 1,000- and 1,500-token prompts ran 1.30x, 1.31x and 1.26x faster at this bound than at
+ROWS_ATTENTION_MAX_CONTEXT (medians, a 2-core AMX Xeon, `ops/bench/prefill_bound.py`)."""
 
 
 def rows_attention_max_context(model: LlamaForCausalLM, kv: KVStorage) -> int:
     """The longest extending sequence (prefix and chunk) whose tokens attend as decode rows in `step_hidden`:
     BF16_TILES_MAX_CONTEXT where its runs go as bf16 tiles (a bf16 model over a bf16 cache, head dims of
-    whole 32s, no sliding window: the kernel's conditions, on a CPU with AVX512-BF16) and the CPU has no AMX
-    (whose SDPA is faster), else ROWS_ATTENTION_MAX_CONTEXT."""
+    whole 32s, no sliding window: the kernel's conditions, on a CPU with AVX512-BF16) and, on a CPU with AMX
+    (whose SDPA beats the vdpbf16ps tiles), where the tiles run on AMX as well; else ROWS_ATTENTION_MAX_CONTEXT."""
     c = model.config
     bf16_tiles = (model.dtype == torch.bfloat16 and kv.keys[0].dtype == torch.bfloat16 and c.head_dim % 32 == 0
-                  and c.sliding_window is None and native.tile_matmul_available() and not cpu_has_amx_bf16())
+                  and c.sliding_window is None and native.tile_matmul_available())
+    if bf16_tiles and cpu_has_amx_bf16():
+        bf16_tiles = (c.head_dim % 64 == 0 and native.amx_rows_available()
+                      and os.environ.get("TOLLWAY_PREFILL_PRODUCTS") != "bf16")
     return BF16_TILES_MAX_CONTEXT if bf16_tiles else ROWS_ATTENTION_MAX_CONTEXT
 
 

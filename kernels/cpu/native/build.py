@@ -40,8 +40,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in (
 step's attention and small fused ops, the LM head's logits refinement, and the weight-only quantized matmuls (the int8-activation ones in an AVX2
 build and an AVX512-VNNI one, the latter compiled for that extension alone and called only where the CPU has it)."""
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("common.h", "few_rows.h", "paged_decode.h", "paged_decode_bf16.h", "paged_prefill.h",
-                             "paged_prefill_bf16.h", "quantized_q8.h", "step_ops.h"))
+                for name in ("amx.h", "common.h", "few_rows.h", "paged_decode.h", "paged_decode_bf16.h", "paged_prefill.h",
+                             "paged_prefill_amx.h", "paged_prefill_bf16.h", "quantized_q8.h", "step_ops.h"))
 """Included by the sources: part of the cache key as they are."""
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],

@@ -14,53 +14,27 @@
 // tiles (two row halves x two column halves), stored and rounded to bf16 once at the end (as oneDNN's output).
 // Products are exact, sums fp32 in the tile unit's order: results differ from oneDNN's by summation order.
 //
-// The tile registers are per thread: each task configures them and releases them (oneDNN and torch's SDPA
-// configure their own on every call).
+// The tile registers are per thread: each task configures them and releases them (amx.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
+#include "amx.h"
 
 namespace {
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define TOLLWAY_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+using tollway_native::amx_available;
 
 constexpr int64_t kAheadBytes = 64 * 1024;  // the weight stream is prefetched (to L2) this far ahead
-
-// The kernel runs where the CPU has AMX-BF16 and the kernel lets this process use the tile data
-// (ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; oneDNN asks the same).
-bool amx_rows_available() {
-  static const bool available = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16") &&
-           syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return available;
-}
-
-struct alignas(64) TileConfig {  // the LDTILECFG layout, palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles: C 0-1 rows 0-15 (column halves 0, 1), C 2-3 rows 16..M-1; A 4 rows 0-15, A 5 rows 16..M-1; B 6-7.
 // Up to 16 rows (TWO false) tiles 2, 3 and 5 stay unconfigured and unused.
 TOLLWAY_AMX void configure(int64_t M) {
-  TileConfig cfg;
   const uint8_t low = static_cast<uint8_t>(std::min<int64_t>(M, 16)), high = static_cast<uint8_t>(M - low);
-  const uint8_t rows[8] = {low, low, high, high, low, high, 16, 16};
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = rows[t], cfg.colsb[t] = rows[t] ? 64 : 0;
-  _tile_loadconfig(&cfg);
+  tollway_native::configure_tiles({low, low, high, high, low, high, 16, 16});
 }
 
 // Column groups [g0, g1) of 32, TWO: 17 <= M <= 32, else M <= 16.
@@ -106,11 +80,11 @@ TOLLWAY_AMX void column_groups(const at::BFloat16* x, int64_t M, int64_t K, cons
   _tile_release();
 }
 #else
-bool amx_rows_available() { return false; }
+bool amx_available() { return false; }
 #endif
 
 at::Tensor amx_rows_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_rows_available(), "amx_rows_linear: needs a CPU with AMX-BF16 (amx_rows_available() says so)");
+  TORCH_CHECK(amx_available(), "amx_rows_linear: needs a CPU with AMX-BF16 (amx_rows_available() says so)");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32,
               "amx_rows_linear: packed must be the [N / 32, K / 32, 2, 16, 32] bf16 tiles, got ", packed.sizes());
@@ -141,7 +115,7 @@ at::Tensor amx_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(tollway_cpu, m) {
   m.def("amx_rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("amx_rows_available() -> bool", [] { return amx_rows_available(); });
+  m.def("amx_rows_available() -> bool", [] { return amx_available(); });
 }
 
 TORCH_LIBRARY_IMPL(tollway_cpu, CPU, m) {

@@ -30,8 +30,9 @@
 // the scores and the V sum of up to 16 tokens' query heads as register-tiled GEMMs over the context's rows. One
 // 380-token prompt's attention per layer went 5.3-5.6 -> 2.0 ms on a 2-core AVX2 EPYC (ops/bench/paged_decode.py's
 // prefill line; a bf16 q over an int8 cache: ops/bench/RESULTS.md). A bf16 q over a bf16 cache does the same on
-// vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h); the rows outside runs then go by sequence or
-// by (row, KV head) as before.
+// vdpbf16ps where the CPU has AVX512-BF16 (paged_prefill_bf16.h), or on AMX tiles where it has AMX-BF16 and the
+// head dim is whole 64s (paged_prefill_amx.h: 395-token prompts' attention 2.7x faster on a 2-core AMX Xeon);
+// the rows outside runs then go by sequence or by (row, KV head) as before.
 //
 // A task's first pass prefetches the K and V rows `kPrefetch` tokens ahead: a sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block boundary. On an
@@ -49,6 +50,7 @@
 // faster; the engine's step level within its noise).
 #include "paged_decode_bf16.h"
 #include "paged_prefill.h"
+#include "paged_prefill_amx.h"
 #include "paged_prefill_bf16.h"
 #include "step_ops.h"
 
@@ -212,7 +214,15 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (!runs.empty()) {
       if constexpr (fp32_tiles) prefill_runs<T, C, D>(geo, runs, qp, kp, vp, op, fscale);
 #if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (bf16_dots) prefill_runs_bf16<D>(geo, runs, qp, kp, vp, op, fscale);
+      if constexpr (bf16_dots && D % 64 == 0) {  // AMX tiles where the CPU has them, else vdpbf16ps
+        if (amx_prefill_tiles()) {
+          prefill_runs_amx<D>(geo, runs, qp, kp, vp, op, fscale);
+        } else {
+          prefill_runs_bf16<D>(geo, runs, qp, kp, vp, op, fscale);
+        }
+      } else if constexpr (bf16_dots) {
+        prefill_runs_bf16<D>(geo, runs, qp, kp, vp, op, fscale);
+      }
 #endif
     }
   } else {

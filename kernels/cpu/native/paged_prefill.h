@@ -165,18 +165,20 @@ void prefill_tile(const DecodeGeometry& geo, const T* qp, const C* kp, const C* 
   }
 }
 
-// Every run's tiles x KV heads, the costliest first (a tile's cost grows with its context), taken by the
-// threads from a shared counter: tile(first, count, h, scratch) for each, with a Scratch(max_len, G, D) a thread.
+// Every run's tiles (of up to `tokens` tokens) x KV heads, the costliest first (a tile's cost grows with its
+// context), taken by the threads from a shared counter: tile(first, count, h, scratch) for each, with a
+// Scratch(max_len, G, D) a thread.
 template <typename Scratch, typename Tile>
-void run_prefill_tiles(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs, int64_t D, const Tile& tile) {
+void run_prefill_tiles(const DecodeGeometry& geo, const std::vector<PrefillRun>& runs, int64_t D, const Tile& tile,
+                       int64_t tokens = kTileTokens) {
   struct Task {
     int64_t first, count, h, cost;
   };
   std::vector<Task> tasks;
   int64_t max_len = 1;
   for (const PrefillRun& run : runs) {
-    for (int64_t t0 = 0; t0 < run.count; t0 += kTileTokens) {
-      const int64_t count = std::min(kTileTokens, run.count - t0), len = geo.lens[run.first + t0 + count - 1];
+    for (int64_t t0 = 0; t0 < run.count; t0 += tokens) {
+      const int64_t count = std::min(tokens, run.count - t0), len = geo.lens[run.first + t0 + count - 1];
       max_len = std::max(max_len, len);
       for (int64_t h = 0; h < geo.Hkv; ++h) tasks.push_back({run.first + t0, count, h, count * len});
     }

@@ -43,12 +43,12 @@ struct TileScratchBf16 {
   }
 };
 
-// K^T pairs of keys [0, n) (t.rows), zeros up to n rounded to 32: 16 keys' rows at a time, transposed 16 x 16
-// 32-bit words per 32 dims.
-template <int64_t D>
-TOLLWAY_BF16_DOT void fill_key_pairs(const BFloat16* kp, int64_t n, TileScratchBf16& t) {
+// K^T pairs of keys [0, n) (t.rows), zeros up to n rounded to `keys_multiple`: 16 keys' rows at a time,
+// transposed 16 x 16 32-bit words per 32 dims.
+template <int64_t D, typename Scratch>
+TOLLWAY_BF16_DOT void fill_key_pairs(const BFloat16* kp, int64_t n, Scratch& t, int64_t keys_multiple = 32) {
   static_assert(D % 32 == 0, "whole vectors of 16 pairs");
-  for (int64_t j0 = 0; j0 < round_up(n, 32); j0 += 16) {
+  for (int64_t j0 = 0; j0 < round_up(n, keys_multiple); j0 += 16) {
     for (int64_t c = 0; c < D / 32; ++c) {  // pairs [16 c, 16 c + 16)
       __m512i r[16];
       for (int64_t u = 0; u < 16; ++u) {

@@ -1,5 +1,5 @@
-"""`paged_decode`'s prefill runs (kernels/cpu/native/paged_prefill.h, paged_prefill_bf16.h) against the torch
-reference.
+"""`paged_decode`'s prefill runs (kernels/cpu/native/paged_prefill.h, paged_prefill_bf16.h, paged_prefill_amx.h)
+against the torch reference.
 
 Under an fp32 q (or a bf16 q over a bf16 cache on AVX512-BF16), consecutive rows that are one sequence's consecutive
 tokens (each row one longer, reading the same blocks) attend as tiles; every other row as before. Each row's result must be the reference's attention over its
@@ -17,6 +17,7 @@ import torch
 from kernels import reference
 from kernels.kv_int8 import dequantize, quantize
 from tests.required import require_bf16_kernels, require_native
+from tests.unit.kernels.test_few_rows_amx import require_amx_rows
 
 EXACT = {"atol": 1e-5, "rtol": 1e-5}
 BF16 = {"atol": 2e-2, "rtol": 2e-2}  # a bf16 output's rounding (2^-9 relative) and the probabilities' (the same)
@@ -112,6 +113,41 @@ def test_bf16_prefill_runs_over_long_contexts() -> None:
     batch = Batch({"a": 140, "b": 140}, 8, seed=12).prefill("a", 900, 1100).prefill("b", 1003, 1040).decode("a", 700)
     got, expected = attend(batch, 3, 64, torch.bfloat16, seed=12, q_dtype=torch.bfloat16)
     torch.testing.assert_close(got, expected, **BF16)
+
+
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 64, 16), (4, 128, 4), (8, 64, 1),
+                                                               (2, 256, 8)])
+def test_bf16_prefill_runs_on_amx_tiles_and_on_vdpbf16ps_match_the_reference(
+        group: int, head_dim: int, block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has AMX-BF16 a bf16 run's tiles take TDPBF16PS (paged_prefill_amx.h; head dims of whole 64s),
+    unless TOLLWAY_PREFILL_PRODUCTS=bf16 asks for vdpbf16ps: both to bf16's rounding of the reference, and not
+    bit-equal to each other (the tile unit sums in its own order: if they are equal, one path did not run)."""
+    require_amx_rows()
+    batch = mixed_batch(block_size, seed=group).prefill("b", 21, 300)  # and a run past 256 keys (a 64-key pass)
+    amx, expected = attend(batch, group, head_dim, torch.bfloat16, seed=head_dim, q_dtype=torch.bfloat16)
+    monkeypatch.setenv("TOLLWAY_PREFILL_PRODUCTS", "bf16")
+    dots, _ = attend(batch, group, head_dim, torch.bfloat16, seed=head_dim, q_dtype=torch.bfloat16)
+    torch.testing.assert_close(amx, expected, **BF16)
+    torch.testing.assert_close(dots, expected, **BF16)
+    assert not torch.equal(amx, dots)
+
+
+@pytest.mark.cpu_isa
+def test_amx_tiles_over_threads_and_ragged_runs() -> None:
+    """Runs of every length from the tile threshold up, beside decode rows, on 1-3 threads: each task's K^T and
+    V pairs are the thread's own, its last 16-row tile ragged (G = 3: 64 tokens are 192 rows, 9 tokens 27)."""
+    require_amx_rows()
+    batch = Batch({"a": 60, "b": 60, "c": 60}, 8, seed=21).prefill("a", 0, 9).decode("b", 100).prefill(
+        "b", 130, 201).prefill("c", 250, 470)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got, expected = attend(batch, 3, 64, torch.bfloat16, seed=threads, q_dtype=torch.bfloat16)
+            torch.testing.assert_close(got, expected, **BF16)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 8), (1, 16, 16), (4, 128, 4), (2, 256, 8)])

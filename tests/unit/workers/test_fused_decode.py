@@ -162,23 +162,43 @@ def test_engine_greedy_tokens_equal_on_native_and_cpu(tmp_path: Path) -> None:
 def test_extends_attend_as_rows_up_to_the_bound_of_their_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`step_hidden` sends a bf16 model's extends over a bf16 cache to the rows (as vdpbf16ps tiles) up to
-    BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16 and no AMX, every other pairing (or a CPU without
-    AVX512-BF16, or one with AMX, whose SDPA is faster) up to ROWS_ATTENTION_MAX_CONTEXT, and longer ones to SDPA."""
+    """`step_hidden` sends a bf16 model's extends over a bf16 cache to the rows (as bf16 tiles) up to
+    BF16_TILES_MAX_CONTEXT tokens where the CPU has AVX512-BF16 and either no AMX or AMX running the tiles too
+    (head dims of whole 64s, TOLLWAY_PREFILL_PRODUCTS not `bf16`); every other pairing (or a CPU without
+    AVX512-BF16, or AMX with the vdpbf16ps tiles, whose SDPA is faster) up to ROWS_ATTENTION_MAX_CONTEXT, and
+    longer ones to SDPA."""
     require_native()
     head_32 = {"head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
     bf16 = tiny_model(tmp_path / "bf16", "llama", torch.bfloat16, head_32)
+    bf16_64 = tiny_model(tmp_path / "bf16_64", "llama", torch.bfloat16, {**head_32, "head_dim": 64})
     windowed = tiny_model(tmp_path / "window", "mistral", torch.bfloat16, {**head_32, "sliding_window": 12})
     head_16 = tiny_model(tmp_path / "head16", "llama", torch.bfloat16, {"head_dim": 16, "num_attention_heads": 4,
                                                                          "num_key_value_heads": 2})
     fp32 = tiny_model(tmp_path / "fp32", "llama", torch.float32, head_32)
     rows, tiles = fused_decode.ROWS_ATTENTION_MAX_CONTEXT, fused_decode.BF16_TILES_MAX_CONTEXT
     assert tiles > rows
-    on_tiles = tiles if fused_decode.native.tile_matmul_available() and not fused_decode.cpu_has_amx_bf16() else rows
-    assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == on_tiles
-    for amx, bound in ((True, rows), (False, tiles if fused_decode.native.tile_matmul_available() else rows)):
-        monkeypatch.setattr(fused_decode, "cpu_has_amx_bf16", lambda amx=amx: amx)
-        assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == bound
+    native, amx = fused_decode.native, fused_decode.cpu_has_amx_bf16()
+    with_tiles = tiles if native.tile_matmul_available() else rows
+    assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, None)) == (rows if amx else with_tiles)
+    on_amx = with_tiles if native.amx_rows_available() else rows
+    assert fused_decode.rows_attention_max_context(bf16_64, bf16_64.allocate_kv(4, 8, None)) == (
+        on_amx if amx else with_tiles)
+
+    def bound(model: object, cpu_amx: bool, amx_tiles: bool, products: str | None) -> int:
+        monkeypatch.setattr(fused_decode, "cpu_has_amx_bf16", lambda: cpu_amx)
+        monkeypatch.setattr(native, "amx_rows_available", lambda: amx_tiles)
+        if products is None:
+            monkeypatch.delenv("TOLLWAY_PREFILL_PRODUCTS", raising=False)
+        else:
+            monkeypatch.setenv("TOLLWAY_PREFILL_PRODUCTS", products)
+        return fused_decode.rows_attention_max_context(model, model.allocate_kv(4, 8, None))  # type: ignore[attr-defined]
+
+    assert bound(bf16, False, False, None) == with_tiles  # no AMX: the vdpbf16ps tiles
+    assert bound(bf16, True, True, None) == rows  # AMX, head dim 32: vdpbf16ps tiles, SDPA faster past 512
+    assert bound(bf16_64, True, True, None) == with_tiles  # AMX tiles
+    assert bound(bf16_64, True, True, "bf16") == rows  # asked for the vdpbf16ps tiles
+    assert bound(bf16_64, True, False, None) == rows  # AMX the kernel cannot use
+    monkeypatch.delenv("TOLLWAY_PREFILL_PRODUCTS", raising=False)
     assert fused_decode.rows_attention_max_context(bf16, bf16.allocate_kv(4, 8, torch.int8)) == rows
     for other in (windowed, head_16, fp32):  # no tiles: a window, a head dim under 32, fp32 (its own tiles: 512)
         assert fused_decode.rows_attention_max_context(other, other.allocate_kv(4, 8, None)) == rows
