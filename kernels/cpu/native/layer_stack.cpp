@@ -20,12 +20,15 @@
 //   floats:  kFloatsPerLayer per layer: the attention scale, the input norm's eps, the post-attention norm's eps.
 // A projection's kind (ProjectionKind below) says which op runs it. Both sides must agree on these layouts:
 // tests/unit/workers/test_layer_plan.py compares this op's step with the Python loop's for every kind.
+#include "amx.h"
 #include "step_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <mutex>
@@ -56,16 +59,61 @@ c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// oneDNN's packed bf16 GEMM (its AMX kernel) ran a 1,024-row prefill step's projections of 576 outputs (o_proj,
+// down_proj) on two cores no faster than on one (a 2-core AMX Xeon: 0.59 / 1.72 ms on two threads, 0.54-0.61 /
+// 1.58-1.84 on one), the second thread idle in libgomp for 18% of the step. On a CPU with AMX, from kSplitRowsMin
+// rows, those two take each thread's share of x's rows, oneDNN single-threaded inside the region, and the parts
+// joined: the engine's prefill 1.09-1.13x in three alternations. Splitting all four projections gained less (the
+// wider ones already ran 1.4-1.5x on two threads, and their joins copy more). Not measured on other CPUs, so not
+// taken there (ops/bench/RESULTS.md, "Issue 21 on host N").
+constexpr int64_t kSplitRowsMin = 256;
+
+bool amx_cpu() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return tollway_native::amx_available();
+#else
+  return false;
+#endif
+}
+
+// stack[1:] the op's arguments after x, stack[0] free: the op's result for x, by row blocks across the threads.
+at::Tensor rows_split(const at::Tensor& x, const torch::jit::Stack& stack, const c10::OperatorHandle& handle) {
+  const int64_t M = x.size(0), threads = at::get_num_threads();
+  if (M < kSplitRowsMin || threads < 2 || at::in_parallel_region()) {
+    torch::jit::Stack call = stack;
+    call[0] = x;
+    handle.callBoxed(call);
+    return call[0].toTensor();
+  }
+  const int64_t chunk = (M + threads - 1) / threads;
+  std::vector<at::Tensor> parts(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t lo = t * chunk, hi = std::min(M, lo + chunk);
+      if (lo >= hi) continue;
+      torch::jit::Stack call = stack;
+      call[0] = x.slice(0, lo, hi);
+      handle.callBoxed(call);
+      parts[t] = call[0].toTensor();
+    }
+  });
+  std::vector<at::Tensor> done;
+  for (at::Tensor& part : parts) {
+    if (part.defined()) done.push_back(std::move(part));
+  }
+  return at::cat(done, 0);
+}
+
 // One projection of `x`, boxed: every kind's op takes x first. Each op is looked up on its kind's first use
 // (a torch without MKL or oneDNN still runs the other kinds).
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, int64_t t0,
-                   c10::IntArrayRef ints, int64_t i0) {
+                   c10::IntArrayRef ints, int64_t i0, bool split_rows = false) {
   auto tensor = [&](int64_t k) -> c10::IValue {
     const std::optional<at::Tensor> value = tensors.get(t0 + k);
     return value.has_value() ? c10::IValue(*value) : c10::IValue();
   };
   const int64_t kind = ints[i0], a = ints[i0 + 1], b = ints[i0 + 2];
-  torch::jit::Stack stack{x, tensor(0)};
+  torch::jit::Stack stack{c10::IValue(), tensor(0)};  // x goes in stack[0] below
   const c10::OperatorHandle* handle = nullptr;
   switch (kind) {
     case kLinear: {
@@ -106,6 +154,8 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
     }
     default: TORCH_CHECK(false, "decode_layers: unknown projection kind ", kind);
   }
+  if (kind == kMkldnn && split_rows && amx_cpu()) return rows_split(x, stack, *handle);
+  stack[0] = x;
   handle->callBoxed(stack);
   return stack[0].toTensor();
 }
@@ -130,7 +180,7 @@ struct Scratch {
 // through the dispatcher (`project`), into a fresh tensor.
 at::Tensor project_into(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors, int64_t t0,
                         c10::IntArrayRef ints, int64_t i0, Scratch& scratch, Role role) {
-  if (ints[i0] != kFewRows) return project(x, tensors, t0, ints, i0);
+  if (ints[i0] != kFewRows) return project(x, tensors, t0, ints, i0, role == kO || role == kDown);
   const at::Tensor weight = tensors.get(t0).value();
   at::Tensor& y = scratch.get(role, {x.size(0), weight.size(0)}, x.options());
   tollway_native::few_rows_linear_out(x, weight, tensors.get(t0 + 1), y);

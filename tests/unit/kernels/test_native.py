@@ -196,6 +196,19 @@ def test_silu_mul_matches_eager(dtype: torch.dtype, width: int) -> None:
     torch.testing.assert_close(got, expected, **exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_at_the_extremes(dtype: torch.dtype) -> None:
+    """Gates whose exp(-x) overflows fp32 (x < -88.7) give silu 0, not NaN (x / inf, never inf / inf), and large
+    ones silu x."""
+    gate = torch.tensor([-1e4, -200.0, -89.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 200.0, 1e4]
+                        + [1.5] * 19)
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)]).unsqueeze(0).to(dtype)
+    got = torch.ops.tollway_cpu.silu_mul(gate_up)
+    expected = F.silu(gate_up[:, :32]) * gate_up[:, 32:]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
 def test_covers() -> None:
     assert native.covers(64, 9, 3, torch.bfloat16)
     assert not native.covers(80, 8, 8, torch.float32)  # head dim

@@ -79,6 +79,8 @@ CASES = pytest.mark.parametrize(
         (torch.float32, "none", "int8", None, True),  # fp32 packed: few_rows_linear at 5 rows
         (torch.float32, "none", "int8", None, "many"),  # fp32 packed past its few rows: F.linear
         (torch.bfloat16, "none", "int8", None, True),  # oneDNN's packed bf16, where this CPU has it
+        # 260 rows on 2 threads: on an AMX CPU o_proj and down_proj split by rows across them (layer_stack.cpp)
+        (torch.bfloat16, "none", "int8", None, "split"),
         (torch.bfloat16, "none", "int8", None, "bf16-few"),  # bf16 few_rows_linear, where this CPU has it
         # 20 and 36 rows: its column tiles, into the step's reused buffers (layer_stack.cpp)
         (torch.bfloat16, "none", "int8", None, "bf16-tiles"),
@@ -88,14 +90,15 @@ CASES = pytest.mark.parametrize(
         (torch.float32, "int8", "int8", None, False),  # int8_matmul_q8
         (torch.bfloat16, "int8", "float", None, False),  # int8_matmul
     ],
-    ids=["linear", "few-rows", "many-rows", "mkldnn", "bf16-few-rows", "bf16-tiles", "window", "int4-q8", "int4",
+    ids=["linear", "few-rows", "many-rows", "mkldnn", "mkldnn-split", "bf16-few-rows", "bf16-tiles", "window", "int4-q8", "int4",
          "int8-q8", "int8"],
 )
 
 
 @CASES
 def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantization: str, activations: str,
-                                     window: int | None, pack: bool | str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                     window: int | None, pack: bool | str, monkeypatch: pytest.MonkeyPatch,
+                                     request: pytest.FixtureRequest) -> None:
     if pack == "many":  # the step's 5 rows are past the limit
         monkeypatch.setattr(packed_linear, "FEW_ROWS_MAX_ROWS", 4)
     if pack in ("bf16-few", "bf16-tiles"):  # the step's rows on the bf16 kernel (1-4 and 16-48 in use)
@@ -105,6 +108,11 @@ def test_plan_equals_the_python_loop(tmp_path: Path, dtype: torch.dtype, quantiz
     if pack:  # bf16 packing needs AVX512-BF16 or AMX: elsewhere the layers stay nn.Linear, still compared
         assert pack_linears(model) == (packing_kind(dtype) is not None)
     batches = [(3, 17, 40, 9, 30) * 4, (3, 17, 40, 9, 30, 11) * 6] if pack == "bf16-tiles" else [(3, 17, 40, 9, 30)]
+    if pack == "split":
+        batches = [(3, 17, 40, 9, 30) * 52]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
     for lengths in batches:
         if str(pack).startswith("bf16-") and packed_linear.bf16_few_rows_available():
             plan = plan_for(model, len(lengths))
