@@ -76,15 +76,14 @@ bool amx_cpu() {
 #endif
 }
 
+// Whether a projection of x's rows goes by row blocks across the threads (rows_split).
+bool splits_rows(const at::Tensor& x) {
+  return x.size(0) >= kSplitRowsMin && at::get_num_threads() > 1 && !at::in_parallel_region() && amx_cpu();
+}
+
 // stack[1:] the op's arguments after x, stack[0] free: the op's result for x, by row blocks across the threads.
 at::Tensor rows_split(const at::Tensor& x, const torch::jit::Stack& stack, const c10::OperatorHandle& handle) {
   const int64_t M = x.size(0), threads = at::get_num_threads();
-  if (M < kSplitRowsMin || threads < 2 || at::in_parallel_region()) {
-    torch::jit::Stack call = stack;
-    call[0] = x;
-    handle.callBoxed(call);
-    return call[0].toTensor();
-  }
   const int64_t chunk = (M + threads - 1) / threads;
   std::vector<at::Tensor> parts(threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
@@ -154,7 +153,7 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
     }
     default: TORCH_CHECK(false, "decode_layers: unknown projection kind ", kind);
   }
-  if (kind == kMkldnn && split_rows && amx_cpu()) return rows_split(x, stack, *handle);
+  if (kind == kMkldnn && split_rows && splits_rows(x)) return rows_split(x, stack, *handle);
   stack[0] = x;
   handle->callBoxed(stack);
   return stack[0].toTensor();

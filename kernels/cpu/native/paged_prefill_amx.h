@@ -43,15 +43,14 @@ constexpr int64_t kAmxTaskTokens = 64;  // a task's tokens: K^T and V's pairs bu
 // A thread's buffers, sized for the longest context (keys rounded up to 64, a score pass): K^T pairs, V's rows in
 // key pairs, and one 16-row tile's q pairs, scores, bf16 probabilities and outputs.
 struct TileScratchAmx {
+  int64_t n_cap;                        // keys a row of ktp, s and p16
   std::vector<uint32_t> ktp, vpair, q;  // ktp [D / 2][n_cap]; vpair [n_cap / 2][D]; q [16][D / 2]
   std::vector<float> s, out;            // [16][n_cap]; [16][D]
   std::vector<BFloat16> p16;            // [16][n_cap]
   std::vector<int64_t> rows;
-  int64_t n_cap;
   TileScratchAmx(int64_t max_len, int64_t, int64_t D)
-      : ktp(D / 2 * round_up(max_len, 64)), vpair(round_up(max_len, 64) / 2 * D), q(kAmxRows * D / 2),
-        s(kAmxRows * round_up(max_len, 64)), out(kAmxRows * D), p16(kAmxRows * round_up(max_len, 64)),
-        rows(max_len), n_cap(round_up(max_len, 64)) {}
+      : n_cap(round_up(max_len, 64)), ktp(D / 2 * n_cap), vpair(n_cap / 2 * D), q(kAmxRows * D / 2),
+        s(kAmxRows * n_cap), out(kAmxRows * D), p16(kAmxRows * n_cap), rows(max_len) {}
 };
 
 // vpair of keys [0, n) (t.rows), zero pairs up to n rounded to 32: word d of pair i = (v_2i[d], v_2i+1[d]).
@@ -137,15 +136,19 @@ TOLLWAY_AMX void amx_values(const BFloat16* p16, int64_t n_cap, const uint32_t* 
 // probabilities are those softmax_in_place<true> computes (scaled scores minus their max, exp_u20), summed in
 // fp32 before their rounding; returns 1 / the sum.
 TOLLWAY_AMX inline float softmax_to_bf16(const float* s, int64_t len, int64_t keys_32, float fscale, BFloat16* p) {
+  // The lanes of scores [j, j + 16) within the row's length.
+  auto live_lanes = [len](int64_t j) {
+    return j >= len ? __mmask16(0) : len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+  };
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 live = len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+    const __mmask16 live = live_lanes(j);
     top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
   }
   const __m512 scale = _mm512_set1_ps(fscale), row_max = _mm512_set1_ps(_mm512_reduce_max_ps(top) * fscale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < keys_32; j += 16) {
-    const __mmask16 live = j >= len ? 0 : len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+    const __mmask16 live = live_lanes(j);
     const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + j), scale), row_max);
     const __m512 e = _mm512_maskz_mov_ps(live, __m512(Vec(x).exp_u20()));
     sum = _mm512_add_ps(sum, e);
